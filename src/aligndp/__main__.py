@@ -1,0 +1,5 @@
+import sys
+
+from aligndp.cli import main
+
+sys.exit(main())
