@@ -1,0 +1,7 @@
+"""MXFP8 training: the format, a drop-in ``nn.Linear`` and its GEMM backends.
+
+Importing this package never imports Triton; the GPU backends load it on first use.
+"""
+from aligndp.mx.format import MXTensor, dequantize_mxfp8, quantize_mxfp8
+
+__all__ = ["MXTensor", "quantize_mxfp8", "dequantize_mxfp8"]
