@@ -1,4 +1,5 @@
 """aligndp: data-parallel training for PyTorch where alignment is a contract."""
+from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.layout import (
     BufferLayout,
     BucketSlot,
@@ -10,14 +11,18 @@ from aligndp.layout import (
     plan_layout,
     validate,
 )
+from aligndp.parallelize import parallelize
 
 __all__ = [
     "BufferLayout",
     "BucketSlot",
+    "DataParallel",
+    "DDPConfig",
     "Mode",
     "ParamSlot",
     "ParamSpec",
     "Requirement",
+    "parallelize",
     "plan_buffers",
     "plan_layout",
     "validate",

@@ -1,0 +1,85 @@
+"""``parallelize()``: the one door. Routes params, derives requirements, builds DDP + optimizer."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligndp.ddp import DataParallel, DDPConfig
+from aligndp.layout import DEFAULT_START_ALIGNMENT, Requirement
+from aligndp.optim.base import DataParallelOptimizer, resolve_optimizer_class
+from aligndp.optim.replicated import ReplicatedOptimizer
+
+__all__ = ["parallelize", "SHARDINGS", "WGRAD_RECIPES"]
+
+SHARDINGS = ("none", "zero1")
+WGRAD_RECIPES = (None, "none", "fp8", "mxfp8")
+
+
+def _wgrad_requirements(wgrad: str | None) -> list[Requirement]:
+    if wgrad not in WGRAD_RECIPES:
+        raise ValueError(f"unknown wgrad recipe {wgrad!r}: choose one of none, fp8, mxfp8")
+    if wgrad in (None, "none"):
+        return []
+    from aligndp.recipes import wgrad_requirements
+
+    return wgrad_requirements(wgrad)
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    optimizer: str | type[torch.optim.Optimizer] = "adamw",
+    sharding: str = "none",
+    lr: float | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    bucket_numel: int | None = None,
+    wgrad: str | None = None,
+    grad_dtype: torch.dtype | None = None,
+    max_grad_norm: float | None = None,
+    overlap: bool = True,
+    start_alignment: int = DEFAULT_START_ALIGNMENT,
+    check_finite: bool = False,
+    **optimizer_kwargs,
+) -> tuple[DataParallel, DataParallelOptimizer]:
+    """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
+
+    Args:
+        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, or a torch optimizer class.
+        sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
+        lr: learning rate; None keeps the torch optimizer's default.
+        bucket_numel: elements per bucket; None uses :class:`DDPConfig`'s default (40 M).
+        wgrad: ``"fp8"``/``"mxfp8"`` declares that fused wgrad kernels write into the
+            gradient buffers, so every buffer of every mode is planned for them.
+        grad_dtype: gradient buffer dtype (None: each param's dtype).
+        max_grad_norm: clip the global gradient 2-norm to this (None: no clipping).
+        overlap: launch bucket collectives during backward.
+        start_alignment: param start alignment in elements; consumers' requirements win.
+        check_finite: raise naming the param when a gradient holds NaN/Inf.
+        optimizer_kwargs: passed to the torch optimizer (torch's defaults otherwise).
+
+    Usage reads like torch DDP: ``loss.backward(); opt.step(); opt.zero_grad()``;
+    ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module.
+    """
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    requirements = _wgrad_requirements(wgrad)
+    config_kwargs = dict(overlap=overlap, grad_dtype=grad_dtype, start_alignment=start_alignment,
+                         check_finite=check_finite)
+    if bucket_numel is not None:
+        config_kwargs["bucket_numel"] = bucket_numel
+    config = DDPConfig(**config_kwargs)
+    if lr is not None:
+        optimizer_kwargs["lr"] = lr
+
+    if isinstance(optimizer, str) and optimizer.lower() == "muon":
+        raise NotImplementedError("optimizer='muon' (layer-wise Muon) is not implemented yet")
+    opt_class = resolve_optimizer_class(optimizer)
+    if sharding == "zero1":
+        raise NotImplementedError("sharding='zero1' (ZeRO-1) is not implemented yet")
+    ddp = DataParallel(model, process_group=process_group, config=config, requirements=requirements)
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    inner = opt_class(params, **optimizer_kwargs)
+    return ddp, ReplicatedOptimizer(ddp, inner, max_grad_norm=max_grad_norm)

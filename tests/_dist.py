@@ -1,0 +1,97 @@
+"""Run many multi-rank test cases inside one gloo process group per world size.
+
+Spawning processes costs seconds; a test module registers its cases with :func:`case`, and
+:func:`make_tests` creates one pytest test per (case, world size) backed by a module-scoped
+run that starts each world size's process group once (file rendezvous) and runs every case
+in it. A case is a module-level function ``fn(rank, world_size)``; it raises to fail. After
+every case the ranks agree on whether anybody failed, so one rank's error cannot leave the
+others waiting in a collective of the next case.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, module: str, names: list[str]) -> None:
+    import importlib
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=TIMEOUT)
+    mod = importlib.import_module(module)
+    results: dict[str, str | None] = {}
+    for name in names:
+        error = None
+        try:
+            getattr(mod, name)(rank, world_size)
+        except Exception:  # reported through the result file, not swallowed
+            error = f"rank {rank}: " + traceback.format_exc()
+        flag = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(flag)
+        if error is None and flag.item():
+            error = f"rank {rank}: another rank failed"
+        results[name] = error
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str | None]:
+    """Run ``names`` of ``module`` on ``world_size`` gloo ranks; error text (or None) per case."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(_worker, args=(world_size, init_file, tmp, module, names), nprocs=world_size, join=True)
+        merged: dict[str, str | None] = dict.fromkeys(names)
+        for r in range(world_size):
+            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
+                for name, err in pickle.load(f).items():
+                    if err is not None and (merged[name] is None or "another rank failed" in merged[name]):
+                        merged[name] = err
+        return merged
+
+
+_REGISTRY: dict[str, dict[str, tuple[int, ...]]] = {}
+
+
+def case(*world_sizes: int) -> Callable:
+    """Register a module-level function ``fn(rank, world_size)`` to run at these world sizes."""
+
+    def register(fn: Callable) -> Callable:
+        _REGISTRY.setdefault(fn.__module__, {})[fn.__name__] = world_sizes
+        return fn
+
+    return register
+
+
+def make_tests(module_globals: dict) -> None:
+    """Create ``test_<case>[ws]`` functions in a test module for its registered cases."""
+    module = module_globals["__name__"]
+    cases = _REGISTRY.get(module, {})
+    cache: dict[int, dict[str, str | None]] = {}
+
+    def results(ws: int) -> dict[str, str | None]:
+        if ws not in cache:
+            cache[ws] = run_cases(module, [n for n, s in cases.items() if ws in s], ws)
+        return cache[ws]
+
+    for name, case_sizes in cases.items():
+        def test(ws: int, _name: str = name) -> None:
+            err = results(ws)[_name]
+            if err is not None:
+                pytest.fail(err, pytrace=False)
+
+        test.__name__ = f"test_{name}"
+        module_globals[test.__name__] = pytest.mark.parametrize("ws", case_sizes)(test)

@@ -1,0 +1,249 @@
+"""DataParallel against torch DDP and against one process on the global batch (gloo)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aligndp
+from aligndp.ddp import DataParallel, DDPConfig
+from tests._dist import case, make_tests
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
+VOCAB = 29
+
+
+class Net(nn.Module):
+    """Odd sizes everywhere (no dim a multiple of 64); ``mix`` is used twice per forward."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 11)
+        self.fc1 = nn.Linear(11, 37)
+        self.fc2 = nn.Linear(37, 11)
+        self.mix = nn.Linear(11, 11)
+        self.head = nn.Linear(11, VOCAB, bias=False)
+        if frozen:
+            self.fc1.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.fc2(torch.tanh(self.fc1(x)))
+        x = self.mix(torch.tanh(self.mix(x)))  # the same weight twice
+        return self.head(x)
+
+
+def make_net(frozen: bool = False) -> Net:
+    torch.manual_seed(0)
+    return Net(frozen)
+
+
+def batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank's slice of the global batch of ``step`` (the same global batch at every world size)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
+    tgt = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
+    n = GLOBAL_BATCH // world_size
+    return idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]
+
+
+def loss_of(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(idx).reshape(-1, VOCAB), tgt.reshape(-1))
+
+
+def reference_grads(step: int = 0, frozen: bool = False) -> dict[str, torch.Tensor]:
+    """One process, global batch."""
+    net = make_net(frozen)
+    loss_of(net, *batch(step)).backward()
+    return {n: p.grad for n, p in net.named_parameters() if p.requires_grad}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str, rtol=1e-5, atol=1e-7) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def grads_match_torch_ddp(overlap: bool) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200, overlap=overlap))
+    theirs = nn.parallel.DistributedDataParallel(make_net(), bucket_cap_mb=0.001)
+    assert len(ours.layouts[0].buckets) > 2, "the test needs several buckets"
+    for step in range(3):  # step 0 learns readiness; later steps overlap
+        ours.zero_grad_buffer()
+        theirs.zero_grad()
+        loss_of(ours, *batch(step, rank, ws)).backward()
+        launched_early = len(ours._works)
+        ours.finish_grad_sync()
+        ours.finish_grad_sync()  # idempotent
+        loss_of(theirs, *batch(step, rank, ws)).backward()
+        if overlap and step > 0:
+            assert launched_early == len(ours._refs), f"only {launched_early} buckets launched during backward"
+        if not overlap:
+            assert launched_early == 0
+        for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+            assert p.grad is None, f"{n}: param.grad must be freed into main_grad"
+            assert_close(p.main_grad, q.grad, n)
+    ours.remove_hooks()
+
+
+@case(2, 3)
+def case_grads_match_torch_ddp_overlap(rank, ws):
+    grads_match_torch_ddp(overlap=True)
+
+
+@case(2)
+def case_grads_match_torch_ddp_no_overlap(rank, ws):
+    grads_match_torch_ddp(overlap=False)
+
+
+@case(2, 3)
+def case_grads_match_single_process_global_batch(rank, ws):
+    ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=300))
+    loss_of(ours, *batch(0, rank, ws)).backward()
+    ours.finish_grad_sync()
+    ref = reference_grads()
+    for n, p in ours.module.named_parameters():
+        assert_close(p.main_grad, ref[n], n)
+
+
+@case(2, 3)
+def case_no_sync_four_micro_batches(rank, ws):
+    """4 micro-batches per rank, the first 3 under no_sync, equal one process on the global batch."""
+    ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=250))
+    idx, tgt = batch(0, rank, ws)
+    # split the 5 tokens of every row: equal micro-batch counts on every world size
+    chunks = [(idx[:, :2], tgt[:, :2]), (idx[:, 2:3], tgt[:, 2:3]), (idx[:, 3:4], tgt[:, 3:4]), (idx[:, 4:], tgt[:, 4:])]
+    weights = [2 / 5, 1 / 5, 1 / 5, 1 / 5]  # token share of each micro-batch
+    for i, ((x, y), w) in enumerate(zip(chunks, weights)):
+        if i < 3:
+            with ours.no_sync():
+                (w * loss_of(ours, x, y)).backward()
+            assert not ours._works, "no collective may launch under no_sync"
+        else:
+            (w * loss_of(ours, x, y)).backward()
+    ours.finish_grad_sync()
+    ref = reference_grads()
+    for n, p in ours.module.named_parameters():
+        assert_close(p.main_grad, ref[n], n)
+
+
+@case(2)
+def case_frozen_params_excluded(rank, ws):
+    ours = DataParallel(make_net(frozen=True), config=DDPConfig(bucket_numel=200))
+    names = {p.name for layout in ours.layouts for p in layout.params}
+    assert "fc1.weight" not in names and "fc1.bias" not in names
+    assert not hasattr(ours.module.fc1.weight, "main_grad")
+    loss_of(ours, *batch(0, rank, ws)).backward()
+    ours.finish_grad_sync()
+    assert ours.module.fc1.weight.grad is None
+    ref = reference_grads(frozen=True)
+    for n, p in ours.module.named_parameters():
+        if p.requires_grad:
+            assert_close(p.main_grad, ref[n], n)
+
+
+@case(2, 3)
+def case_adamw_three_steps_identical_replicas_and_single_process(rank, ws):
+    model, opt = aligndp.parallelize(make_net(), lr=1e-2, bucket_numel=200)
+    ref = make_net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        loss_of(model, *batch(step, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref, *batch(step)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(ws)]
+        dist.all_gather(gathered, flat)
+        for other in gathered[1:]:
+            assert torch.equal(other, gathered[0]), "replicas differ"
+        for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
+            assert_close(p, q, f"step {step} {n}", rtol=1e-5, atol=1e-6)
+
+
+@case(2)
+def case_lr_scheduler_and_clipping(rank, ws):
+    model, opt = aligndp.parallelize(make_net(), lr=0.1, max_grad_norm=0.05, optimizer="sgd")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref = make_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        loss_of(model, *batch(step, rank, ws)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        loss_of(ref, *batch(step)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
+        assert_close(p, q, n, rtol=1e-5, atol=1e-6)
+
+
+@case(2)
+def case_bf16_params_fp32_grad_buffer(rank, ws):
+    net = make_net().to(torch.bfloat16)
+    ours = DataParallel(net, config=DDPConfig(grad_dtype=torch.float32, bucket_numel=200))
+    assert all(layout.grad_dtype == torch.float32 for layout in ours.layouts)
+    for layout in ours.layouts:
+        for buf in ours.flat_buffers:
+            for g in buf.main_grads:
+                assert g.dtype == torch.float32 and g.data_ptr() % 256 == 0
+    idx, tgt = batch(0, rank, ws)
+    loss_of(ours, idx, tgt).backward()
+    ours.finish_grad_sync()
+    ref = make_net().to(torch.bfloat16)
+    loss_of(ref, *batch(0)).backward()
+    for (n, p), q in zip(ours.module.named_parameters(), ref.parameters()):
+        assert_close(p.main_grad, q.grad.float(), n, rtol=2e-2, atol=2e-3)
+
+
+@case(2)
+def case_check_finite_names_param(rank, ws):
+    ours = DataParallel(make_net(), config=DDPConfig(check_finite=True))
+    idx, tgt = batch(0, rank, ws)
+    with torch.no_grad():
+        ours.module.fc2.bias.fill_(float("nan"))
+    loss_of(ours, idx, tgt).backward()
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        ours.finish_grad_sync()
+
+
+@case(2)
+def case_bad_input(rank, ws):
+    with pytest.raises(ValueError, match="no trainable params"):
+        DataParallel(nn.Sequential(nn.ReLU()))
+    with pytest.raises(ValueError, match="no trainable params"):
+        DataParallel(make_net().requires_grad_(False))
+    two = make_net()
+    two.head = nn.Linear(11, VOCAB, bias=False, device="meta")
+    with pytest.raises(ValueError, match="devices"):
+        DataParallel(two)
+    with pytest.raises(TypeError):
+        DataParallel(lambda x: x)
+    with pytest.raises(ValueError, match="bucket_numel"):
+        DDPConfig(bucket_numel=0)
+    with pytest.raises(ValueError, match="power of two"):
+        DataParallel(make_net(), config=DDPConfig(start_alignment=48))
+    with pytest.raises(ValueError, match="sharding"):
+        aligndp.parallelize(make_net(), sharding="zero3")
+    with pytest.raises(ValueError, match="optimizer"):
+        aligndp.parallelize(make_net(), optimizer="lion")
+
+
+make_tests(globals())
+
+
+def test_net_is_deterministic():
+    a, b = make_net(), make_net()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert copy.deepcopy(a) is not a
