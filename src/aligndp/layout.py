@@ -288,7 +288,7 @@ class BufferLayout:
         return "\n".join(lines)
 
 
-def _check_settings(dp_size: int, bucket_numel: int | None, start_alignment: int) -> None:
+def _check_settings(dp_size: int, bucket_numel: int | None, start_alignment: int, shard_alignment: int) -> None:
     if not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
     if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel <= 0):
@@ -298,6 +298,10 @@ def _check_settings(dp_size: int, bucket_numel: int | None, start_alignment: int
     if not _is_power_of_two(start_alignment):
         raise ValueError(
             f"start_alignment must be a power of two (1, 2, 4, ..., 64), got {start_alignment!r}"
+        )
+    if not _is_power_of_two(shard_alignment):
+        raise ValueError(
+            f"shard_alignment must be a power of two (1, 2, 4, ..., 128), got {shard_alignment!r}"
         )
 
 
@@ -342,7 +346,7 @@ def plan_layout(
     The result is checked by :func:`validate` before it is returned.
     """
     mode = Mode.parse(mode)
-    _check_settings(dp_size, bucket_numel, start_alignment)
+    _check_settings(dp_size, bucket_numel, start_alignment, shard_alignment)
     if not specs:
         raise ValueError("no trainable params to lay out: the model has no params with requires_grad=True")
     dtypes = {s.dtype for s in specs}
@@ -350,10 +354,18 @@ def plan_layout(
         raise ValueError(f"one buffer holds one param dtype, got {sorted(map(str, dtypes))}; use plan_buffers()")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"param names must be unique, got duplicates in {names}")
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"param names must be unique, got {duplicated} more than once: list a shared (tied) param once, "
+            "as model.named_parameters() does"
+        )
     param_dtype = specs[0].dtype
     grad_dtype = grad_dtype or param_dtype
     requirements = tuple(requirements)
+    if mode is Mode.SHARDED and any(r.whole_param_per_shard for r in requirements):
+        rules = [r.rule for r in requirements if r.whole_param_per_shard]
+        raise ValueError(f"{rules} need every param whole inside one shard, which sharded mode does not keep; "
+                         "plan with mode='layerwise'")
     if mode is not Mode.REPLICATED:
         requirements += (Requirement(f"{mode.value} mode: equal shards per rank", shard_divisible=True),)
     if mode is Mode.LAYERWISE:
@@ -395,7 +407,9 @@ def plan_layout(
                 cursor = _round_up(cursor, align)
                 slots.append(ParamSlot(s.name, s.shape, order[i], cursor, cursor + s.numel, b, None))
                 cursor += s.numel
-            multiple = align if mode is Mode.REPLICATED else dp_size * shard_align
+            multiple = dp_size * shard_align if mode is Mode.SHARDED else align
+            if mode is Mode.REPLICATED and any(r.shard_divisible for r in requirements):
+                multiple = math.lcm(align, dp_size)  # a consumer splits buckets into dp_size slices
             cursor = bucket_start + _round_up(cursor - bucket_start, multiple)
         buckets.append(BucketSlot(b, bucket_start, cursor))
 
@@ -470,7 +484,8 @@ def validate(layout: BufferLayout, requirements: Iterable[Requirement] = ()) -> 
                   "buckets are contiguous, in order, from element 0", "re-plan the layout with plan_layout()")
         cursor = bucket.end
     sharded = any(r.shard_divisible for r in requirements) or layout.sharded
-    whole = any(r.whole_param_per_shard for r in requirements) or layout.mode is Mode.LAYERWISE
+    # replicated: every rank holds (and may step) every param whole, so there is nothing to check
+    whole = layout.sharded and (any(r.whole_param_per_shard for r in requirements) or layout.mode is Mode.LAYERWISE)
     for p in layout.params:
         if not 0 <= p.bucket < len(layout.buckets):
             _fail(layout, p, f"names bucket {p.bucket} of {len(layout.buckets)}", "every param is in a bucket",
