@@ -3,7 +3,10 @@
 Each returns the ``Work`` handle of an asynchronous collective (``async_op=True``) so the
 caller decides when to wait. Gradients are averaged by pre-dividing by the group size and
 summing — the same order of operations as torch DDP's default, so results match it bit for
-bit on the same reduction algorithm. Sharded collectives work in place: rank r's shard is
+bit on the same reduction algorithm. On NCCL the division is fused into the collective
+(``ReduceOp.AVG``), saving one read and one write of every bucket.
+
+Sharded collectives work in place: rank r's shard is
 ``bucket.view(dp_size, -1)[r]`` (NCCL and gloo both accept an output that aliases the
 input at that offset), so no staging copies are made.
 """
@@ -24,10 +27,17 @@ def shard_of(bucket: torch.Tensor, *, rank: int, dp_size: int) -> torch.Tensor:
     return bucket.view(dp_size, -1)[rank]
 
 
+def _mean_op(bucket: torch.Tensor, group: dist.ProcessGroup | None) -> dist.ReduceOp:
+    """AVG where the backend has it (NCCL); else pre-divide in place and SUM."""
+    if dist.get_backend(group) == "nccl":
+        return dist.ReduceOp.AVG
+    bucket.div_(dist.get_world_size(group))
+    return dist.ReduceOp.SUM
+
+
 def all_reduce_mean(bucket: torch.Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:
     """Average ``bucket`` in place over ``group``; returns the async handle."""
-    bucket.div_(dist.get_world_size(group))
-    return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return dist.all_reduce(bucket, op=_mean_op(bucket, group), group=group, async_op=True)
 
 
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> None:
@@ -39,12 +49,11 @@ def reduce_scatter_mean(bucket: torch.Tensor, *, group: dist.ProcessGroup | None
     """Average ``bucket`` over ``group`` into this rank's shard of it, in place; async handle.
 
     Only the caller's shard holds the mean afterwards; the rest of the bucket holds this
-    rank's own (pre-divided) contribution and is not to be read.
+    rank's own (possibly pre-divided) contribution and is not to be read.
     """
-    dp_size = dist.get_world_size(group)
-    bucket.div_(dp_size)
-    out = shard_of(bucket, rank=dist.get_rank(group), dp_size=dp_size)
-    return _reduce_scatter(out, bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    op = _mean_op(bucket, group)
+    out = shard_of(bucket, rank=dist.get_rank(group), dp_size=dist.get_world_size(group))
+    return _reduce_scatter(out, bucket, op=op, group=group, async_op=True)
 
 
 def all_gather_shards(bucket: torch.Tensor, *, group: dist.ProcessGroup | None) -> dist.Work:

@@ -1,0 +1,117 @@
+"""DDP step time against torch DDP, each as step / local fwd+bwd, measured in one run.
+
+GPU (the figure we report):
+    torchrun --nproc-per-node 2 benchmarks/ddp_step.py --preset 1b --batch 8
+CPU smoke run (gloo):
+    torchrun --nproc-per-node 2 benchmarks/ddp_step.py --preset demo --device cpu --batch 4 --iters 2
+
+Prints one JSON object per measurement on rank 0. "step" is forward + backward + every
+gradient collective finished (torch DDP finishes inside backward; aligndp in
+``finish_grad_sync``), so both numbers cover the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligndp.ddp import DataParallel, DDPConfig
+from aligndp.models.gpt import GPT, PRESETS
+
+
+def log(**kw) -> None:
+    if dist.get_rank() == 0:
+        print(json.dumps(kw), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, *, device: torch.device, iters: int, warmup: int) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs, each ended by a device sync and barrier."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--buckets", default="10000000,40000000,100000000", help="aligndp bucket_numel values to try")
+    ap.add_argument("--torch-bucket-mb", default="25,100")
+    args = ap.parse_args()
+
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = PRESETS[args.preset]
+    log(what="env", torch=torch.__version__, world_size=dist.get_world_size(),
+        device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, batch=args.batch,
+        seq_len=cfg.seq_len)
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(cfg).to(device=device, dtype=dtype)
+
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
+
+    def fwdbwd(m: nn.Module) -> None:
+        m(idx, idx).backward()
+
+    model = make()
+    nparams = sum(p.numel() for p in model.parameters())
+    t_local = timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup)
+    log(what="local", params=nparams, fwdbwd_ms=t_local * 1e3)
+
+    for mb in [float(x) for x in args.torch_bucket_mb.split(",")]:
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb, gradient_as_bucket_view=True)
+        t = timed(lambda: fwdbwd(ddp), device=device, iters=args.iters, warmup=args.warmup)
+        log(what="torch_ddp", bucket_cap_mb=mb, step_ms=t * 1e3, overhead=t / t_local)
+        del ddp
+    del model
+
+    for numel in [int(x) for x in args.buckets.split(",")]:
+        for overlap in (True, False):
+            ours = DataParallel(make(), config=DDPConfig(bucket_numel=numel, overlap=overlap))
+
+            def step() -> None:
+                ours.zero_grad_buffer()
+                fwdbwd(ours)
+                ours.finish_grad_sync()
+
+            t = timed(step, device=device, iters=args.iters, warmup=args.warmup)
+            layout = ours.layouts[0]
+            log(what="aligndp_ddp", bucket_numel=numel, overlap=overlap, buckets=len(layout.buckets),
+                padding_fraction=layout.padding_fraction, step_ms=t * 1e3, overhead=t / t_local)
+            ours.remove_hooks()
+            del ours
+            if cuda:
+                torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
