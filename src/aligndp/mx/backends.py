@@ -1,0 +1,154 @@
+"""GEMM backends of :class:`aligndp.mx.MXLinear`, behind one small interface.
+
+[Note: wgrad backends]
+Each backend does the three GEMMs of a linear layer on quantised operands, each operand
+quantised along that GEMM's contraction dim (tokens for the wgrad), and declares the layout
+:class:`~aligndp.layout.Requirement` of its fused wgrad (from :mod:`aligndp.recipes`, where the
+numbers live once). Before writing into ``main_grad`` every backend checks the real view it
+was given (its pointer, shape, dtype), so a misplanned buffer is a ``ValueError`` that names
+the offset and the rule, never a kernel fault.
+
+- ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad.
+- ``triton`` (Hopper): MXFP8 quantise kernel and block-scaled fp8 GEMM accumulating in place.
+- ``fp8`` (Hopper): 1x128 blockwise FP8 (float32 scales), same kernels with 128-wide blocks.
+The GPU backends import Triton on first use only.
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from aligndp.layout import Requirement
+from aligndp.mx.format import dequantize_mxfp8, padded_length, quantize_mxfp8
+from aligndp.recipes import wgrad_requirements
+
+__all__ = ["WgradBackend", "ReferenceBackend", "get_backend", "BACKENDS", "pad_tokens", "check_main_grad"]
+
+KERNEL_BYTE_ALIGNMENT = 16
+"""Byte alignment of every pointer the GPU kernels read or write (vector loads, TMA)."""
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pad_tokens(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad dim 0 of a (tokens, features) tensor to a multiple of ``multiple``.
+
+    Zero rows add nothing to a wgrad sum and never raise a block's amax, so padding the
+    token dim is exact; it lets any batch size feed a GEMM quantised along tokens.
+    """
+    rows = t.shape[0]
+    target = padded_length(rows, multiple)
+    if target == rows:
+        return t
+    return torch.cat([t, t.new_zeros(target - rows, *t.shape[1:])])
+
+
+def check_main_grad(main_grad: torch.Tensor, requirement: Requirement, *, shape: tuple[int, ...],
+                    device: torch.device, byte_alignment: int = KERNEL_BYTE_ALIGNMENT) -> None:
+    """Raise ``ValueError`` unless ``main_grad`` is a view a fused wgrad may write into.
+
+    Checks, from the real pointers: the weight's ``shape``, contiguous, float32/bfloat16,
+    same device, start offset within its buffer a multiple of the requirement's alignment
+    (``data_ptr() - storage.data_ptr()``) and the address a multiple of ``byte_alignment``.
+    """
+    if not isinstance(main_grad, torch.Tensor):
+        raise TypeError(f"main_grad must be a tensor view of the grad buffer, got {type(main_grad).__name__}")
+    if tuple(main_grad.shape) != tuple(shape):
+        raise ValueError(f"main_grad has shape {tuple(main_grad.shape)} but the weight has {tuple(shape)}; "
+                         "bind a view of the weight's shape, e.g. buffer[start:end].view(weight.shape)")
+    if main_grad.dtype not in _GRAD_DTYPES:
+        raise ValueError(f"main_grad dtype {main_grad.dtype} is not supported; use float32 or bfloat16 grad buffers")
+    if main_grad.device != torch.device(device):
+        raise ValueError(f"main_grad is on {main_grad.device} but the weight is on {device}")
+    if not main_grad.is_contiguous():
+        raise ValueError(f"main_grad with strides {main_grad.stride()} is not contiguous; bind a contiguous view")
+    item = main_grad.element_size()
+    address = main_grad.data_ptr()
+    offset = (address - main_grad.untyped_storage().data_ptr()) // item
+    align = requirement.start_alignment(item)
+    where = f"main_grad starts at element {offset} ({offset * item} B) of its buffer, address {address:#x}"
+    if offset % align:
+        raise ValueError(f"{where}: offset % {align} = {offset % align}; rule: {requirement.rule} needs "
+                         f"{align}-element starts; plan the layout with start_alignment={align}")
+    if address % byte_alignment:
+        raise ValueError(f"{where}: address % {byte_alignment} = {address % byte_alignment}; rule: the wgrad "
+                         f"kernel needs {byte_alignment}-byte aligned pointers; allocate the buffer with torch")
+
+
+class WgradBackend(abc.ABC):
+    """One recipe's three GEMMs on 2-D operands; see [Note: wgrad backends].
+
+    Shapes: ``x`` (tokens, in), ``weight`` (out, in), ``grad_out`` (tokens, out).
+    """
+
+    name: str = ""
+    recipe: str = "mxfp8"
+    """Key of :func:`aligndp.recipes.wgrad_requirements`."""
+
+    @property
+    def requirement(self) -> Requirement:
+        (req,) = wgrad_requirements(self.recipe)
+        return req
+
+    def check(self, main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless this backend may accumulate ``grad_out.T @ x`` into ``main_grad``."""
+        check_main_grad(main_grad, self.requirement, shape=(grad_out.shape[1], x.shape[1]), device=x.device)
+
+    @abc.abstractmethod
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` (tokens, out) in ``x.dtype``; contraction over in-features."""
+
+    @abc.abstractmethod
+    def dgrad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``grad_out @ weight`` (tokens, in) in ``grad_out.dtype``; contraction over out-features."""
+
+    @abc.abstractmethod
+    def wgrad(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``grad_out.T @ x`` (out, in) in float32; contraction over tokens."""
+
+    def wgrad_accumulate(self, grad_out: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> None:
+        """``main_grad += grad_out.T @ x`` after checking the view. Backends with an
+        in-place kernel override this; the default adds the float32 wgrad."""
+        self.check(main_grad, grad_out, x)
+        main_grad.add_(self.wgrad(grad_out, x))
+
+
+def _mx(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` through MXFP8 E4M3 along ``dim`` and back, as float32."""
+    return dequantize_mxfp8(quantize_mxfp8(t, dim=dim), dim=dim)
+
+
+class ReferenceBackend(WgradBackend):
+    """MXFP8 by the book on any device: quantise, dequantise, float32 matmul. The parity
+    target of the GPU backends; its numerics equal an exact MXFP8 GEMM up to fp32 rounding."""
+
+    name = "reference"
+
+    def forward(self, x, weight):
+        return (_mx(x, -1) @ _mx(weight, -1).T).to(x.dtype)
+
+    def dgrad(self, grad_out, weight):
+        return (_mx(grad_out, -1) @ _mx(weight, 0)).to(grad_out.dtype)
+
+    def wgrad(self, grad_out, x):
+        return _mx(pad_tokens(grad_out, 32), 0).T @ _mx(pad_tokens(x, 32), 0)
+
+
+BACKENDS = ("reference", "triton", "fp8")
+
+
+def get_backend(backend: "str | WgradBackend") -> WgradBackend:
+    """A backend instance by name (``reference``, ``triton``, ``fp8``), or ``backend`` itself."""
+    if isinstance(backend, WgradBackend):
+        return backend
+    if backend == "reference":
+        return ReferenceBackend()
+    if backend in ("triton", "fp8"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"backend {backend!r} runs Triton kernels on a CUDA GPU (Hopper), and none is "
+                             "available; use backend='reference' on CPU")
+        from aligndp.mx import triton_backend  # imports Triton: GPU only
+
+        return triton_backend.TritonMXBackend() if backend == "triton" else triton_backend.TritonFP8Backend()
+    raise ValueError(f"unknown MX backend {backend!r}: choose one of {', '.join(BACKENDS)} or pass a WgradBackend")
