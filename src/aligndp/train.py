@@ -39,7 +39,7 @@ class TrainConfig:
 
     preset: str = "demo"
     """Model shape: a key of aligndp.models.gpt.PRESETS."""
-    steps: int = 400
+    steps: int = 500
     """Optimizer steps to train for (in total, counting steps done before a --resume)."""
     batch_size: int = 32
     """Global batch in sequences per optimizer step, over all ranks and micro-batches."""

@@ -185,6 +185,7 @@ def _train(config: TrainConfig) -> dict:
         return {"error": str(e)}
     if job.rank == 0:
         os.makedirs(config.out, exist_ok=True)
+        _print_header(job, start_step)
     metrics = MetricsLog(os.path.join(config.out, "metrics.jsonl"), start_step=start_step, enabled=job.rank == 0)
     tokens_per_step = config.batch_size * job.spec.seq_len
     progress = Progress(total=config.steps, initial=start_step, enabled=job.rank == 0)
@@ -217,6 +218,17 @@ def _train(config: TrainConfig) -> dict:
         wall_s=time.perf_counter() - wall_started,
     )
     return finish_report(summary, job.model, out=config.out, metrics=metrics, enabled=job.rank == 0)
+
+
+def _print_header(job: _Job, start_step: int) -> None:
+    config, cfg = job.config, PRESETS[job.config.preset]
+    numel = sum(p.numel() for p in job.model.module.parameters())
+    backend = dist.get_backend()
+    resumed = f", resuming at step {start_step}" if start_step else ""
+    print(f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} rank(s), "
+          f"{config.optimizer}, sharding {config.sharding}; global batch {config.batch_size} x {cfg.seq_len} tokens "
+          f"in {config.micro_batches} micro-batch(es); data: {job.data.name} ({len(job.data):,} tokens); "
+          f"{config.steps} steps{resumed}", flush=True)
 
 
 def _max_over_ranks(job: _Job, value: int) -> int:

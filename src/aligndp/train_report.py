@@ -74,7 +74,8 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(f"{text}, {rate}", refresh=False)
             self.bar.update(1)
-        elif (record["step"] + 1 - self.initial) % self.every == 0 or record["step"] + 1 == self.total:
+        elif ((record["step"] + 1 - self.initial) % self.every == 0 or record["step"] + 1 == self.total
+              or "eval_loss" in record):
             print(f"step {record['step'] + 1}/{self.total}: {text}, {rate}, "
                   f"{time.perf_counter() - self.started:.1f} s", flush=True)
 
