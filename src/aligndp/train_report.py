@@ -109,7 +109,7 @@ class Summary:
     start_step: int
     dp_size: int
     first_loss: float
-    """Global-batch loss of the first step this process ran (step ``start_step``)."""
+    """Global-batch loss of the first step in metrics.jsonl (step 0, also after a resume)."""
     train_loss: float
     """Global-batch loss of the last step."""
     eval_loss: float
