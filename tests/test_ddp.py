@@ -30,10 +30,11 @@ class Net(nn.Module):
         if frozen:
             self.fc1.requires_grad_(False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, skip_mix: bool = False) -> torch.Tensor:
         x = self.emb(idx)
         x = x + self.fc2(torch.tanh(self.fc1(x)))
-        x = self.mix(torch.tanh(self.mix(x)))  # the same weight twice
+        if not skip_mix:
+            x = self.mix(torch.tanh(self.mix(x)))  # the same weight twice
         return self.head(x)
 
 
@@ -128,6 +129,25 @@ def case_no_sync_four_micro_batches(rank, ws):
     ref = reference_grads()
     for n, p in ours.module.named_parameters():
         assert_close(p.main_grad, ref[n], n)
+
+
+@case(2)
+def case_unused_param_after_zero_grad_reads_zero(rank, ws):
+    """[Note: lazy zeroing]: a param without a gradient this step must reduce to zero, not to
+    last step's value."""
+    ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200))
+    loss_of(ours, *batch(0, rank, ws)).backward()
+    ours.finish_grad_sync()
+    assert ours.module.mix.weight.main_grad.abs().sum() > 0
+    ours.zero_grad_buffer()
+    idx, tgt = batch(1, rank, ws)
+    F.cross_entropy(ours(idx, skip_mix=True).reshape(-1, VOCAB), tgt.reshape(-1)).backward()
+    ours.finish_grad_sync()
+    assert ours.module.mix.weight.main_grad.abs().sum() == 0
+    assert ours.module.mix.bias.main_grad.abs().sum() == 0
+    net = make_net()
+    F.cross_entropy(net(*batch(1)[:1], skip_mix=True).reshape(-1, VOCAB), batch(1)[1].reshape(-1)).backward()
+    assert_close(ours.module.fc1.weight.main_grad, net.fc1.weight.grad, "fc1.weight")
 
 
 @case(2)

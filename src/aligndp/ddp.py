@@ -17,6 +17,14 @@ strictly in index order (bucket i waits for 0..i-1), so every rank issues the sa
 of collectives — NCCL needs that — even if hooks fire in a slightly different order.
 A param firing after its bucket was launched would change a gradient under a collective in
 flight: that raises instead of silently losing the contribution.
+
+[Note: lazy zeroing]
+``zero_grad_buffer()`` does not write the buffers; it marks every param's ``main_grad`` stale.
+A param's first gradient of the step is *copied* into its view (autograd's own gradient
+tensor is stolen by AccumulateGrad, so this is one read and one write), later ones are
+added; a view still stale when its bucket is launched — an unused param — is zeroed then,
+and so is one handed to a fused wgrad kernel. That saves a memset of every buffer and a
+read per element against zero-then-accumulate. Padding is never written, so it stays zero.
 """
 from __future__ import annotations
 
@@ -147,6 +155,7 @@ class DataParallel(nn.Module):
         }
         self._expected: dict[nn.Parameter, int] | None = None  # learned on the first synced backward
         self._fired: dict[nn.Parameter, int] = {p: 0 for p in self._where}
+        self._stale: set[nn.Parameter] = set()  # [Note: lazy zeroing]
         self._works: dict[BucketRef, dist.Work | None] = {}
         self._next_launch = 0
         self._sync_enabled = True
@@ -158,7 +167,10 @@ class DataParallel(nn.Module):
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/fused.py) ----
     def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         where = self._where.get(param)
-        return None if where is None else where[2]
+        if where is None:
+            return None
+        self._take(param)
+        return where[2]
 
     def mark_ready(self, param: nn.Parameter) -> None:
         if self._synced:  # first contribution of a new step
@@ -172,9 +184,20 @@ class DataParallel(nn.Module):
     def _on_grad(self, param: nn.Parameter) -> None:
         if param.grad is None:
             return
-        self._where[param][2].add_(param.grad.view_as(self._where[param][2]))
+        view = self._where[param][2]
+        if param in self._stale:
+            self._stale.discard(param)
+            view.copy_(param.grad.view_as(view))
+        else:
+            view.add_(param.grad.view_as(view))
         param.grad = None
         self.mark_ready(param)
+
+    def _take(self, param: nn.Parameter) -> None:
+        """Zero a stale view before something accumulates into or reads it."""
+        if param in self._stale:
+            self._stale.discard(param)
+            self._where[param][2].zero_()
 
     def _reset_step(self) -> None:
         self._fired = dict.fromkeys(self._fired, 0)
@@ -193,6 +216,8 @@ class DataParallel(nn.Module):
     def _launch(self, ref: BucketRef) -> None:
         assert ref == self._refs[self._next_launch], "buckets launch in index order"
         buf = self.flat_buffers[ref.buffer]
+        for p in self._bucket_params[ref]:
+            self._take(p)
         if self.config.check_finite:
             self._check_finite(ref)
         grad = buf.bucket_grad(ref.bucket)
@@ -247,9 +272,9 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Zero every gradient buffer and forget this step's readiness, for the next step."""
-        for buf in self.flat_buffers:
-            buf.zero_grad()
+        """Start a new step: every ``main_grad`` counts as zero ([Note: lazy zeroing]), readiness
+        is forgotten."""
+        self._stale = set(self._where)
         for p in self._where:
             p.grad = None
         self._reset_step()
