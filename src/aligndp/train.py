@@ -24,7 +24,7 @@ from typing import Literal
 
 from aligndp.models.gpt import PRESETS
 
-__all__ = ["TrainConfig", "add_arguments", "config_from_args", "run", "train"]
+__all__ = ["TrainConfig", "add_arguments", "config_from_args", "launch_local", "run", "train"]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
@@ -181,23 +181,24 @@ def preflight(config: TrainConfig) -> None:
         )
 
 
-def _launch(config: TrainConfig) -> dict:
-    """Start ``config.nproc`` ranks on this machine through torch's elastic launcher and return
-    rank 0's summary."""
+def launch_local(entrypoint, nproc: int, *args) -> dict[int, object]:
+    """Run ``entrypoint(*args)`` on ``nproc`` ranks of this machine through torch's elastic
+    launcher (c10d rendezvous on localhost, a free port, no restarts; each rank gets
+    RANK/WORLD_SIZE/MASTER_ADDR/... in its environment) and return each rank's result.
+
+    ``entrypoint`` must be a module-level function: ranks are spawned processes.
+    """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from aligndp.train_loop import launched_worker
-
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=config.nproc,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=f"aligndp-{uuid.uuid4().hex[:8]}",
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
     )
-    results = elastic_launch(launch, launched_worker)(config)
-    return results[0]
+    return elastic_launch(launch, entrypoint)(*args)
 
 
 def train(config: TrainConfig) -> dict:
@@ -215,7 +216,9 @@ def train(config: TrainConfig) -> dict:
     if _inside_torchrun() or config.nproc == 1:
         result = train_worker(config)
     else:
-        result = _launch(config)
+        from aligndp.train_loop import launched_worker
+
+        result = launch_local(launched_worker, config.nproc, config)[0]
     if "error" in result:
         raise ValueError(result["error"])
     return result
