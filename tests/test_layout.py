@@ -223,3 +223,23 @@ def test_shard_divisible_requirement_is_met_in_replicated_mode():
     layout = plan_layout([ParamSpec("a", (97,)), ParamSpec("b", (103,))], dp_size=3,
                          requirements=[Requirement("slicer", shard_divisible=True)])
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 384)]
+
+
+def test_layerwise_buckets_close_only_where_they_pack_without_padding():
+    """Layerwise buckets grow past bucket_numel until their whole params fill dp_size equal shards.
+
+    Closing at the first param past bucket_numel (the old rule) cut 8-matrix buckets from GPT
+    blocks at dp_size 8 and padded each to 8 x the largest matrix (25-29% padding).
+    """
+    # dp 2, alignments 1, bucket_numel 1. Layout order (reverse registration) has sizes
+    # r5=3, r4=1, r3=2 | r2=1, r1=1, r0=2. Bucket 0 can't close at [3, 1] (shards of 3, 2 padding);
+    # [3, 1, 2] packs as rank 0 {r5}, rank 1 {r4, r3}: 3 + 3, no padding. [1, 1] closes (1 + 1),
+    # but the tail [2] alone would pad 2, so it merges back: [1, 1, 2] packs as rank 0 {r0} (costs
+    # tie at 3, lower rank), rank 1 {r2, r1}: 2 + 2.
+    specs = [ParamSpec(f"r{i}", (n,)) for i, n in enumerate([2, 1, 1, 2, 1, 3])]
+    layout = plan_layout(specs, dp_size=2, mode="layerwise", bucket_numel=1, start_alignment=1, shard_alignment=1)
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 6), (6, 10)]
+    assert {p.name: (p.start, p.end, p.owner) for p in layout.params} == {
+        "r5": (0, 3, 0), "r4": (3, 4, 1), "r3": (4, 6, 1), "r0": (6, 8, 0), "r2": (8, 9, 1), "r1": (9, 10, 1),
+    }
+    assert layout.padding_numel == 0

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from aligndp.assign import assign_owners, newton_schulz_cost
+from aligndp.assign import assign_owners, group_layerwise_buckets, newton_schulz_cost
 
 __all__ = [
     "DEFAULT_START_ALIGNMENT",
@@ -305,10 +305,11 @@ def _check_settings(dp_size: int, bucket_numel: int | None, start_alignment: int
         )
 
 
-def _group_into_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None, min_params: int) -> list[list[int]]:
+def _group_into_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None) -> list[list[int]]:
     """Indices of ``specs`` (already in layout order) grouped into buckets.
 
-    A bucket closes once it holds at least ``bucket_numel`` elements and ``min_params`` params.
+    A bucket closes once it holds at least ``bucket_numel`` elements (layerwise mode groups
+    with :func:`aligndp.assign.group_layerwise_buckets` instead).
     """
     if bucket_numel is None:
         return [list(range(len(specs)))]
@@ -317,7 +318,7 @@ def _group_into_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None, mi
     for i, spec in enumerate(specs):
         buckets[-1].append(i)
         filled += spec.numel
-        if filled >= bucket_numel and len(buckets[-1]) >= min_params:
+        if filled >= bucket_numel:
             buckets.append([])
             filled = 0
     if not buckets[-1]:
@@ -376,8 +377,11 @@ def plan_layout(
 
     order = list(reversed(range(len(specs))))  # layout order: reverse registration
     ordered = [specs[i] for i in order]
-    min_params = dp_size if mode is Mode.LAYERWISE else 1
-    groups = _group_into_buckets(ordered, bucket_numel, min_params)
+    if mode is Mode.LAYERWISE:  # buckets that pack into whole-param shards with little padding
+        groups = group_layerwise_buckets([s.shape for s in ordered], dp_size=dp_size, bucket_numel=bucket_numel,
+                                         alignment=align, shard_alignment=shard_align)
+    else:
+        groups = _group_into_buckets(ordered, bucket_numel)
 
     slots: list[ParamSlot] = []
     buckets: list[BucketSlot] = []
