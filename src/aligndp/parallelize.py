@@ -40,6 +40,7 @@ def parallelize(
     overlap: bool = True,
     start_alignment: int = DEFAULT_START_ALIGNMENT,
     check_finite: bool = False,
+    overlap_param_gather: bool = False,
     **optimizer_kwargs,
 ) -> tuple[DataParallel, DataParallelOptimizer]:
     """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
@@ -56,6 +57,8 @@ def parallelize(
         overlap: launch bucket collectives during backward.
         start_alignment: param start alignment in elements; consumers' requirements win.
         check_finite: raise naming the param when a gradient holds NaN/Inf.
+        overlap_param_gather: zero1: all-gather updated params during the next forward
+            (each module waits for its own buckets) instead of at the end of ``step()``.
         optimizer_kwargs: passed to the torch optimizer (torch's defaults otherwise).
 
     Usage reads like torch DDP: ``loss.backward(); opt.step(); opt.zero_grad()``;
@@ -78,7 +81,14 @@ def parallelize(
         raise NotImplementedError("optimizer='muon' (layer-wise Muon) is not implemented yet")
     opt_class = resolve_optimizer_class(optimizer)
     if sharding == "zero1":
-        raise NotImplementedError("sharding='zero1' (ZeRO-1) is not implemented yet")
+        from aligndp.layout import Mode
+        from aligndp.optim.sharded import ShardedOptimizer, check_elementwise
+
+        check_elementwise(opt_class)
+        modes = {n: Mode.SHARDED for n, p in model.named_parameters() if p.requires_grad}
+        ddp = DataParallel(model, process_group=process_group, config=config, modes=modes, requirements=requirements)
+        return ddp, ShardedOptimizer(ddp, ddp.buffers_for(Mode.SHARDED), opt_class, max_grad_norm=max_grad_norm,
+                                     overlap_param_gather=overlap_param_gather, **optimizer_kwargs)
     ddp = DataParallel(model, process_group=process_group, config=config, requirements=requirements)
     params = [p for n, p in model.named_parameters() if p.requires_grad]
     inner = opt_class(params, **optimizer_kwargs)

@@ -1,0 +1,233 @@
+"""ZeRO-1 (sharding="zero1") against torch's optimizers on one process with the global batch (gloo)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import aligndp
+from aligndp.layout import Mode, ParamSpec, plan_layout
+from aligndp.optim.sharded import ShardedOptimizer, check_elementwise, owned_segments
+from tests._dist import case, make_tests
+from tests.test_ddp import batch, loss_of, make_net
+
+RTOL = 1e-6  # fp32; see assert_rel
+STEPS = 5
+
+
+def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| over the tensor: one number per param, robust to elements near 0."""
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
+
+
+def assert_rel(model: nn.Module, ref: nn.Module, what: str, rtol: float = RTOL) -> None:
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = max_rel_error(p, q)
+        assert err <= rtol, f"{what} {n}: max rel error {err:.3g} > {rtol}"
+
+
+def assert_replicas_identical(model: nn.Module) -> None:
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    for other in gathered[1:]:
+        assert torch.equal(other, gathered[0]), "replicas differ"
+
+
+def train_and_compare(
+    *, optimizer="adamw", ref_class=torch.optim.AdamW, steps=STEPS, rtol=RTOL, max_grad_norm=None,
+    micro_batches=1, **kwargs,
+) -> None:
+    """``steps`` ZeRO-1 steps vs ``ref_class`` on one process with the global batch, compared every step."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    opt_kwargs = {"lr": 1e-2} | ({"momentum": 0.9} if ref_class is torch.optim.SGD else {})
+    model, opt = aligndp.parallelize(make_net(), optimizer=optimizer, sharding="zero1", max_grad_norm=max_grad_norm,
+                                     **opt_kwargs, **kwargs)
+    assert isinstance(opt, ShardedOptimizer)
+    ref = make_net()
+    ref_opt = ref_class(ref.parameters(), **opt_kwargs)
+    for step in range(steps):
+        idx, tgt = batch(step, rank, ws)
+        for i in range(micro_batches):  # split every row's 5 tokens; equal shares keep the mean exact
+            cols = slice(i * 5 // micro_batches, (i + 1) * 5 // micro_batches)
+            weight = (cols.stop - cols.start) / 5
+            if i < micro_batches - 1:
+                with model.no_sync():
+                    (weight * loss_of(model, idx[:, cols], tgt[:, cols])).backward()
+            else:
+                (weight * loss_of(model, idx[:, cols], tgt[:, cols])).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref, *batch(step)).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.gather.wait_all()  # with overlap_param_gather the next forward would wait instead
+        assert_replicas_identical(model.module)
+        assert_rel(model.module, ref, f"step {step}", rtol)
+
+
+@case(2, 3, 4)
+def case_adamw_equals_single_process(rank, ws):
+    """Small buckets: params straddle slices; several buckets; grad and param-gather overlap on/off."""
+    train_and_compare(bucket_numel=200, overlap=True)
+    train_and_compare(bucket_numel=300, overlap=False, overlap_param_gather=True)
+
+
+@case(2, 3)
+def case_adamw_clipping_and_one_bucket(rank, ws):
+    train_and_compare(max_grad_norm=0.05, overlap_param_gather=True)
+
+
+@case(2, 3)
+def case_micro_batches_no_sync(rank, ws):
+    train_and_compare(micro_batches=3, bucket_numel=250, steps=3)
+
+
+@case(2)
+def case_adam_and_sgd(rank, ws):
+    train_and_compare(optimizer="adam", ref_class=torch.optim.Adam, bucket_numel=200, steps=3)
+    train_and_compare(optimizer="sgd", ref_class=torch.optim.SGD, bucket_numel=200, steps=3, max_grad_norm=0.1)
+
+
+@case(2)
+def case_lr_scheduler_reaches_inner_optimizer(rank, ws):
+    model, opt = aligndp.parallelize(make_net(), sharding="zero1", lr=0.1, optimizer="sgd")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        loss_of(model, *batch(step, rank, ws)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert opt.inner[0].param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+@case(2)
+def case_bf16_params_fp32_grads_fp32_masters(rank, ws):
+    """bf16 forward/backward, fp32 grad buffer and masters vs one process: bf16 model, fp32 master AdamW.
+
+    The only difference is where grads are rounded: the reference's param.grad is bf16 of the
+    global batch, ours are bf16 per rank, averaged in fp32. Adam divides by sqrt(v), so an
+    element whose tiny gradient rounds to the other sign moves by ~2 lr the other way: the
+    bound is on the mean (measured ~7e-3 lr after 5 steps at ws 2) and the max (measured ~1 lr).
+    """
+    lr = 1e-2
+    model, opt = aligndp.parallelize(make_net().to(torch.bfloat16), sharding="zero1", grad_dtype=torch.float32,
+                                     lr=lr, bucket_numel=200)
+    assert all(b.layout.grad_dtype == torch.float32 for b in model.flat_buffers)
+    ref = make_net().to(torch.bfloat16)
+    masters = [p.detach().float().clone() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=lr)
+    for step in range(STEPS):
+        loss_of(model, *batch(step, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref, *batch(step)).backward()
+        for m, p in zip(masters, ref.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        ref_opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref.parameters()):
+                p.copy_(m)
+        assert_replicas_identical(model.module)
+        assert all(p.dtype == torch.bfloat16 for p in model.module.parameters())
+    ours = {p.segment.name: p for p in opt.pieces}
+    diffs = []
+    for (n, _), m in zip(model.module.named_parameters(), masters):
+        if n in ours:
+            seg = ours[n].segment
+            diffs.append((ours[n].master - m.reshape(-1)[seg.offset:seg.offset + seg.numel]).abs())
+    diff = torch.cat(diffs)
+    print(f"bf16 masters vs reference: mean |diff| {diff.mean() / lr:.3g} lr, max {diff.max() / lr:.3g} lr")
+    assert diff.mean() <= 0.02 * lr and diff.max() <= 2 * lr, (diff.mean() / lr, diff.max() / lr)
+
+
+class Tiny(nn.Module):
+    """Two params, 4 elements: fewer params than ranks; most ranks own only padding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@case(4)
+def case_fewer_params_than_ranks(rank, ws):
+    model, opt = aligndp.parallelize(Tiny(), sharding="zero1", lr=1e-1)
+    owned = sum(p.segment.numel for p in opt.pieces)
+    assert owned == (4 if rank == 0 else 0), f"rank {rank} owns {owned} elements"
+    ref = Tiny()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        model(x[rank * 2:(rank + 1) * 2]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_replicas_identical(model.module)
+        assert_rel(model.module, ref, "tiny")
+
+
+@case(2)
+def case_optimizer_state_is_sharded(rank, ws):
+    model, opt = aligndp.parallelize(make_net(), sharding="zero1", lr=1e-2, bucket_numel=200)
+    loss_of(model, *batch(0, rank, ws)).backward()
+    opt.step()
+    state_numel = sum(s["exp_avg"].numel() for s in opt.inner[0].state.values())
+    total = sum(p.numel() for p in model.module.parameters())
+    everyone = [None] * ws
+    dist.all_gather_object(everyone, state_numel)
+    assert sum(everyone) == total, f"state elements {everyone} do not add up to {total}"
+
+
+# ---- single-process tests ----
+
+def test_owned_segments_partition_real_elements():
+    """Over all ranks, owned segments cover every real element of every buffer exactly once."""
+    rng = random.Random(0)
+    for trial in range(60):
+        specs = [ParamSpec(f"p{i}", tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 2))))
+                 for i in range(rng.randint(1, 9))]
+        dp_size = rng.choice([1, 2, 3, 4, 8])
+        bucket = rng.choice([None, 50, 300, 2000])
+        layout = plan_layout(specs, dp_size=dp_size, mode=Mode.SHARDED, bucket_numel=bucket)
+        count = torch.zeros(layout.padded_numel, dtype=torch.int32)
+        for rank in range(dp_size):
+            for s in owned_segments(layout, rank=rank):
+                lo, hi = layout.shard_range(s.bucket, rank)
+                assert lo <= s.start < s.end <= hi
+                slot = layout.param(s.name)
+                assert s.offset == s.start - slot.start and s.offset + s.numel <= slot.numel
+                count[s.start:s.end] += 1
+        real = torch.zeros_like(count)
+        for p in layout.params:
+            real[p.start:p.end] = 1
+        assert torch.equal(count, real), f"trial {trial}: owned segments do not partition the real elements"
+
+
+def test_non_elementwise_optimizer_is_refused():
+    class Whole(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.1):
+            super().__init__(params, {"lr": lr})
+
+    with pytest.raises(ValueError, match="layer-wise mode"):
+        check_elementwise(Whole)
+    with pytest.raises(ValueError, match="layer-wise mode"):
+        aligndp.parallelize(make_net(), sharding="zero1", optimizer=Whole)
+    with pytest.raises(ValueError, match="layer-wise mode"):
+        check_elementwise("muon")
+    check_elementwise(torch.optim.AdamW)
+    check_elementwise("sgd")
+
+
+make_tests(globals())
