@@ -161,11 +161,13 @@ def preflight(config: TrainConfig) -> None:
     import torch
 
     from aligndp.data import BatchSpec
-    from aligndp.train_loop import latest_checkpoint, load_data
+    from aligndp.train_loop import latest_checkpoint, load_data, wgrad_backend
 
     cfg = PRESETS[config.preset]
     BatchSpec(config.batch_size, cfg.seq_len, config.nproc, config.micro_batches)
     load_data(config).check(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
+    if config.wgrad != "none":
+        wgrad_backend(config)
     if config.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu")

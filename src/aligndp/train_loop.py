@@ -23,7 +23,7 @@ from aligndp.models.gpt import GPT, PRESETS
 from aligndp.train import TrainConfig
 from aligndp.train_report import MetricsLog, Progress, Summary, finish_report, params_hash, peak_memory_bytes
 
-__all__ = ["train_worker", "launched_worker", "load_data", "latest_checkpoint", "lr_factor", "EVAL_BATCHES"]
+__all__ = ["train_worker", "launched_worker", "load_data", "latest_checkpoint", "lr_factor", "wgrad_backend", "EVAL_BATCHES"]
 
 EVAL_BATCHES = 4
 """Global batches of the held-out split in one evaluation (the same ones every time)."""
@@ -62,6 +62,15 @@ def _set_lr(optimizer, factor: float) -> None:
     for group in getattr(optimizer, "param_groups", ()):
         group.setdefault("peak_lr", group["lr"])
         group["lr"] = group["peak_lr"] * factor
+
+
+def wgrad_backend(config: TrainConfig) -> str:
+    """The MX GEMM backend of ``--wgrad``: mxfp8 runs the reference backend (quantise,
+    dequantise, fp32 matmul) on CPU and Triton kernels on CUDA; fp8 exists on CUDA only."""
+    if config.wgrad == "fp8" and config.device != "cuda":
+        raise ValueError("--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda, "
+                         "or --wgrad mxfp8 (which has a CPU reference backend)")
+    return {"mxfp8": "triton" if config.device == "cuda" else "reference", "fp8": "fp8"}[config.wgrad]
 
 
 def _device(config: TrainConfig) -> torch.device:
@@ -130,6 +139,10 @@ def _setup(config: TrainConfig) -> _Job:
     spec = BatchSpec(config.batch_size, model_cfg.seq_len, dp_size, config.micro_batches)
     torch.manual_seed(config.seed)
     module = GPT(model_cfg).to(device)
+    if config.wgrad != "none":
+        from aligndp.mx import convert_to_mxfp8
+
+        convert_to_mxfp8(module, backend=wgrad_backend(config))
     model, optimizer = aligndp.parallelize(
         module, optimizer=config.optimizer, sharding=config.sharding, lr=config.lr,
         wgrad=None if config.wgrad == "none" else config.wgrad,
