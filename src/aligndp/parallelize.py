@@ -46,7 +46,13 @@ def parallelize(
     """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
 
     Args:
-        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, or a torch optimizer class.
+        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, a torch optimizer class, or
+            ``"muon"``: ``torch.optim.Muon`` on the hidden 2-D matrices, ``torch.optim.AdamW``
+            on the rest (aligndp/routing.py; ``muon_filter=`` overrides). ``lr`` goes to both;
+            other kwargs go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay,
+            ...) and ``adamw_<x>`` ones to AdamW (adamw_lr, adamw_betas, adamw_weight_decay,
+            ...). With ``sharding="zero1"`` each matrix is stepped whole by one owner rank
+            (layer-wise buffers) and AdamW is ZeRO-1.
         sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
         lr: learning rate; None keeps the torch optimizer's default.
         bucket_numel: elements per bucket; None uses :class:`DDPConfig`'s default (40 M).
@@ -78,7 +84,11 @@ def parallelize(
         optimizer_kwargs["lr"] = lr
 
     if isinstance(optimizer, str) and optimizer.lower() == "muon":
-        raise NotImplementedError("optimizer='muon' (layer-wise Muon) is not implemented yet")
+        from aligndp.optim.layerwise import parallelize_muon  # routing: aligndp/routing.py
+
+        return parallelize_muon(model, sharding=sharding, process_group=process_group, config=config,
+                                requirements=requirements, max_grad_norm=max_grad_norm,
+                                overlap_param_gather=overlap_param_gather, **optimizer_kwargs)
     opt_class = resolve_optimizer_class(optimizer)
     if sharding == "zero1":
         from aligndp.layout import Mode

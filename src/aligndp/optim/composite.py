@@ -1,0 +1,206 @@
+"""Several optimizer parts behind one torch-optimizer face, with one global gradient norm.
+
+A *part* steps some params with its inner torch optimizer(s) and knows which reduced
+gradients this rank holds for them: layer-wise Muon (:class:`~aligndp.optim.layerwise.LayerwiseMuon`),
+ZeRO-1 AdamW (:class:`~aligndp.optim.sharded.ShardedOptimizer`, whose composable pieces this
+protocol follows), or a replicated optimizer (:class:`ReplicatedPart`). The composite
+finishes the gradient sync once, clips every part by one global norm (one all-reduce),
+steps each part, and all-gathers every sharded and layer-wise buffer once — after the step
+or overlapped with the next forward (:class:`~aligndp.param_gather.ParamGather`).
+Checkpoints see it through the model-space methods of [Note: model-space state]
+(aligndp/checkpoint.py), which it forwards to the part that holds each param.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from aligndp.ddp import DataParallel
+from aligndp.layout import Mode
+from aligndp.optim.base import DataParallelOptimizer
+from aligndp.optim.replicated import clip_by_total_norm
+from aligndp.optim.sharded import global_grad_norm
+from aligndp.param_gather import ParamGather
+
+__all__ = ["OptimizerPart", "ReplicatedPart", "CompositeOptimizer"]
+
+
+class OptimizerPart(Protocol):
+    inner: list[torch.optim.Optimizer]
+
+    def prepare_grads(self) -> None:
+        """Bind the reduced gradients as ``.grad`` of what the inner optimizer steps."""
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (shares sum to it over ranks)."""
+
+    def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Clip with torch's coefficient ``max_norm / (total_norm + 1e-6)``, clamped to 1."""
+
+    def step_owned(self) -> None:
+        """Step what this rank owns; values land in ``param_data`` (gathered by the composite)."""
+
+    def owned_range(self, name: str) -> tuple[int, int]: ...
+
+    def model_space_state_dict(self) -> dict[str, object]: ...
+
+    def load_model_space_state_dict(self, sd: dict[str, object]) -> None: ...
+
+
+def sum_of_squares(grads: Sequence[torch.Tensor], *, device: torch.device) -> torch.Tensor:
+    """fp32 sum of squares of every element of ``grads`` (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([g.float().square().sum() for g in grads]).sum()
+
+
+class ReplicatedPart:
+    """A part over all-reduced params: every rank steps all of them with ``inner`` (plain DDP)."""
+
+    def __init__(self, model: DataParallel, inner: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.inner = [inner]
+        self.params = [p for g in inner.param_groups for p in g["params"]]
+        self.names = [model.param_names[p] for p in self.params]
+
+    def prepare_grads(self) -> None:
+        for p in self.params:
+            g = self.model.main_grad(p)
+            p.grad = g.to(p.dtype)
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        # every rank holds every gradient: each contributes 1/dp_size so one all-reduce sums to it
+        return sum_of_squares([p.grad for p in self.params], device=self.model.device) / self.model.dp_size
+
+    def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        clip_by_total_norm([p.grad for p in self.params], max_norm=max_norm, total_norm=total_norm)
+
+    def step_owned(self) -> None:
+        self.inner[0].step()
+        for p in self.params:
+            p.grad = None  # the hooks add param.grad into main_grad; never leave an alias behind
+
+    def owned_range(self, name: str) -> tuple[int, int]:
+        return 0, self.params[self.names.index(name)].numel()
+
+    def model_space_state_dict(self) -> dict[str, object]:
+        from aligndp.checkpoint import FlatPiece, torch_state_to_model_space
+
+        sd: dict[str, object] = {f"param.{n}": FlatPiece(p.detach().float().reshape(-1), 0, p.numel())
+                                 for n, p in zip(self.names, self.params)}
+        extents = {n: (0, p.numel()) for n, p in zip(self.names, self.params)}
+        return sd | torch_state_to_model_space(self.inner[0], self.names, extents)
+
+    @torch.no_grad()
+    def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
+        from aligndp.checkpoint import model_space_to_torch_state
+
+        for n, p in zip(self.names, self.params):
+            p.copy_(sd[f"param.{n}"].tensor.view(p.shape))
+        model_space_to_torch_state(self.inner[0], self.names, sd)
+
+
+class CompositeOptimizer(DataParallelOptimizer):
+    """One optimizer over several parts (e.g. layer-wise Muon + ZeRO-1 AdamW).
+
+    ``param_groups`` lists every part's groups, tagged ``group["optimizer"]`` (``"muon"``,
+    ``"adamw"``); lr schedulers reach the inner optimizers. ``max_grad_norm`` clips all parts
+    by one global norm, as ``torch.nn.utils.clip_grad_norm_`` over every param would.
+    """
+
+    def __init__(self, model: DataParallel, parts: Sequence[OptimizerPart], *,
+                 max_grad_norm: float | None = None, overlap_param_gather: bool = False) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        super().__init__(model, [opt for part in parts for opt in part.inner])
+        self.parts = list(parts)
+        for part in self.parts:
+            for opt in part.inner:
+                for group in opt.param_groups:
+                    group.setdefault("optimizer", type(opt).__name__.lower())
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        """The global gradient norm of the last step (before clipping), when clipping."""
+        self.routing = None
+        """The :class:`~aligndp.routing.Routing` that split the params, when one did."""
+        gathered = [b for b in model.flat_buffers if b.param_data is not None]
+        self.gather = ParamGather(gathered, group=model.process_group, module=model.module,
+                                  overlap=overlap_param_gather)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("closures are not supported: run forward/backward before step()")
+        self.model.finish_grad_sync()
+        self.gather.wait_all()  # the previous gather reads the shards we are about to write
+        for part in self.parts:
+            part.prepare_grads()
+        if self.max_grad_norm is not None:
+            total = global_grad_norm([part.local_grad_sq_sum() for part in self.parts],
+                                     group=self.model.process_group)
+            self.last_grad_norm = float(total)
+            for part in self.parts:
+                part.scale_grads(self.max_grad_norm, total)
+        for part in self.parts:
+            part.step_owned()
+        self.gather.launch()
+
+    # ---- [Note: model-space state] (aligndp/checkpoint.py) ----
+    def _part_of(self, name: str) -> OptimizerPart:
+        for part in self.parts:
+            # a ShardedOptimizer steps every param of its buffers; the other parts list theirs
+            names = part.names if hasattr(part, "names") else [s.name for b in part.buffers for s in b.slots]
+            if name in names:
+                return part
+        raise KeyError(f"param {name!r} is stepped by no part of this optimizer")
+
+    def owned_range(self, name: str) -> tuple[int, int]:
+        return self._part_of(name).owned_range(name)
+
+    def model_space_state_dict(self) -> dict[str, object]:
+        self.gather.wait_all()
+        sd: dict[str, object] = {"param_groups": []}
+        for part in self.parts:
+            part_sd = part.model_space_state_dict()
+            sd["param_groups"] += part_sd.pop("param_groups")
+            sd.update(part_sd)
+        return sd
+
+    @torch.no_grad()
+    def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
+        self.gather.wait_all()
+        groups = list(sd.get("param_groups", []))
+        counts = [sum(len(opt.param_groups) for opt in part.inner) for part in self.parts]
+        if groups and len(groups) != sum(counts):
+            raise ValueError(f"the checkpoint has {len(groups)} optimizer param group(s) but this optimizer has "
+                             f"{sum(counts)} ({counts} per part): build it with the same optimizer and routing")
+        for part, count in zip(self.parts, counts):
+            part.load_model_space_state_dict(sd | {"param_groups": groups[:count]})
+            groups = groups[count:]
+        self.gather.launch()
+        self.gather.wait_all()
+
+    # ---- reporting ----
+    @property
+    def imbalance(self) -> float:
+        """Max/mean Newton–Schulz cost over ranks of the layer-wise buffers (1.0 if none)."""
+        costs = [0.0] * self.model.dp_size
+        for layout in self.model.layouts:
+            if layout.mode is Mode.LAYERWISE:
+                costs = [a + b for a, b in zip(costs, layout.rank_costs())]
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padding elements over all elements, over every buffer of the model."""
+        padded = sum(layout.padded_numel for layout in self.model.layouts)
+        real = sum(layout.numel for layout in self.model.layouts)
+        return (padded - real) / padded if padded else 0.0
+
+    def __repr__(self) -> str:
+        inner = ", ".join(type(opt).__name__ for opt in self.inner)
+        return (f"CompositeOptimizer({inner}; {len(self.param_groups)} param group(s), "
+                f"Muon cost imbalance {self.imbalance:.3f}, padding {100 * self.padding_fraction:.2f}%)")

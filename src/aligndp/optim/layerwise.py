@@ -1,0 +1,176 @@
+"""Layer-wise sharded Muon: each rank steps the whole matrices it owns, then params are all-gathered.
+
+[Note: layer-wise step]
+The Muon matrices live in ``Mode.LAYERWISE`` buffers: every bucket is cut into ``dp_size``
+equal shards and every matrix lies whole inside the shard of its owner (owners balanced by
+Newton–Schulz cost, :mod:`aligndp.assign`). The DDP wrapper reduce-scatters the gradients,
+so after ``finish_grad_sync()`` an owner's ``main_grad`` views of its own matrices hold the
+mean gradient (the other views hold garbage). One step is then:
+
+1. assign: owned matrices get ``.grad`` = their ``main_grad`` (fp32 masters for 16-bit params);
+2. step owned: ``torch.optim.Muon.step()`` — Muon skips params whose ``.grad`` is None, so the
+   inner optimizer holds *every* matrix (identical ``param_groups`` on every rank, also on a
+   rank that owns none) but only touches and keeps momentum for its own;
+3. all-gather: owners' shards of ``param_data`` go to every rank (the composite optimizer does
+   it once for all sharded buffers, see :mod:`aligndp.optim.composite`).
+
+The maths is torch's ``Muon``; this file only decides ownership and moves data.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from aligndp.ddp import DataParallel, DDPConfig
+from aligndp.layout import Mode, Requirement
+from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart, sum_of_squares
+from aligndp.optim.replicated import clip_by_total_norm
+from aligndp.optim.sharded import ShardedOptimizer
+from aligndp.routing import MuonFilter, route_params
+
+__all__ = ["LayerwiseMuon", "MUON_OPTIONS", "split_muon_kwargs", "parallelize_muon"]
+
+MUON_OPTIONS = ("lr", "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn", "weight_decay")
+"""Keyword arguments passed through to ``torch.optim.Muon`` (its defaults otherwise)."""
+
+
+class LayerwiseMuon:
+    """The Muon part of a composite optimizer over the ``Mode.LAYERWISE`` buffers of ``model``.
+
+    ``params`` are the Muon matrices as ``(name, param)`` in registration order; each must sit
+    in a layerwise buffer of ``model``. ``muon_kwargs`` go to ``torch.optim.Muon``.
+    """
+
+    def __init__(self, model: DataParallel, params: Sequence[tuple[str, nn.Parameter]], **muon_kwargs) -> None:
+        unknown = set(muon_kwargs) - set(MUON_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown Muon option(s) {sorted(unknown)}: choose from {list(MUON_OPTIONS)}")
+        owner = {}
+        for buf in model.buffers_for(Mode.LAYERWISE):
+            owner.update({id(p): s.owner for p, s in zip(buf.params, buf.slots)})
+        missing = [n for n, p in params if id(p) not in owner]
+        if missing:
+            raise ValueError(f"Muon params {missing} are not in a layerwise buffer: wrap the model with "
+                             "DataParallel(modes={name: Mode.LAYERWISE}) for every Muon matrix")
+        self.model = model
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.owners = [owner[id(p)] for p in self.params]
+        # a 16-bit param is stepped through an fp32 master copy, made only where this rank owns it
+        self.targets = [
+            p.detach().float().clone() if o == model.rank and p.dtype != torch.float32 else p
+            for p, o in zip(self.params, self.owners)
+        ]
+        self.inner = [torch.optim.Muon(self.targets, **muon_kwargs)]
+
+    @property
+    def owned(self) -> list[int]:
+        """Indices (into ``names``/``params``) of the matrices this rank steps."""
+        return [i for i, o in enumerate(self.owners) if o == self.model.rank]
+
+    def prepare_grads(self) -> None:
+        """1. assign: owned matrices get their reduced ``main_grad`` (cast to the master's dtype)."""
+        for i in self.owned:
+            self.targets[i].grad = self.model.main_grad(self.params[i]).to(self.targets[i].dtype)
+
+    def local_grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of the owned matrices' gradients (each matrix counted by its owner only)."""
+        return sum_of_squares([self.targets[i].grad for i in self.owned], device=self.model.device)
+
+    def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        clip_by_total_norm([self.targets[i].grad for i in self.owned], max_norm=max_norm, total_norm=total_norm)
+
+    @torch.no_grad()
+    def step_owned(self) -> None:
+        """2. step owned: torch's Muon (it skips the matrices without ``.grad``); masters cast back."""
+        self.inner[0].step()
+        for i in self.owned:
+            self.targets[i].grad = None
+            if self.targets[i] is not self.params[i]:
+                self.params[i].copy_(self.targets[i])  # fp32 master -> the param's view in param_data
+        # 3. all-gather: the composite optimizer gathers every sharded buffer once
+
+    def momentum(self, name: str) -> torch.Tensor | None:
+        """The momentum buffer of matrix ``name`` on this rank (None if not owned or not stepped yet)."""
+        i = self.names.index(name)
+        return self.inner[0].state.get(self.targets[i], {}).get("momentum_buffer")
+
+    # ---- [Note: model-space state] (aligndp/checkpoint.py): the owner holds a matrix whole ----
+    def owned_range(self, name: str) -> tuple[int, int]:
+        i = self.names.index(name)
+        return (0, self.params[i].numel()) if self.owners[i] == self.model.rank else (0, 0)
+
+    def model_space_state_dict(self) -> dict[str, object]:
+        from aligndp.checkpoint import FlatPiece, torch_state_to_model_space
+
+        sd: dict[str, object] = {}
+        for i in self.owned:
+            sd[f"param.{self.names[i]}"] = FlatPiece(self.targets[i].detach().float().reshape(-1), 0,
+                                                     self.params[i].numel())
+        extents = {n: (0, p.numel()) for n, p in zip(self.names, self.params)}
+        return sd | torch_state_to_model_space(self.inner[0], self.names, extents)
+
+    @torch.no_grad()
+    def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
+        """Values and momentum of the owned matrices; the composite all-gathers the rest."""
+        from aligndp.checkpoint import model_space_to_torch_state
+
+        for i in self.owned:
+            self.targets[i].copy_(sd[f"param.{self.names[i]}"].tensor.view(self.params[i].shape))
+            if self.targets[i] is not self.params[i]:
+                self.params[i].copy_(self.targets[i])
+        model_space_to_torch_state(self.inner[0], self.names, sd)
+
+
+def split_muon_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """``(muon_kwargs, adamw_kwargs)``: ``adamw_<x>`` keys go to AdamW as ``<x>``; ``lr`` to both
+    unless ``adamw_lr`` is given; every other key must be a Muon option."""
+    adamw = {k.removeprefix("adamw_"): v for k, v in kwargs.items() if k.startswith("adamw_")}
+    muon = {k: v for k, v in kwargs.items() if not k.startswith("adamw_")}
+    unknown = sorted(set(muon) - set(MUON_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for optimizer='muon': Muon takes {list(MUON_OPTIONS)}; "
+                        "AdamW options take an 'adamw_' prefix (adamw_lr, adamw_betas, adamw_weight_decay, ...)")
+    if "lr" in muon:
+        adamw.setdefault("lr", muon["lr"])
+    return muon, adamw
+
+
+def parallelize_muon(
+    model: nn.Module,
+    *,
+    sharding: str,
+    process_group,
+    config: DDPConfig,
+    requirements: Sequence[Requirement],
+    max_grad_norm: float | None,
+    overlap_param_gather: bool = False,
+    muon_filter: MuonFilter | None = None,
+    **kwargs,
+) -> tuple[DataParallel, CompositeOptimizer]:
+    """``parallelize(model, optimizer="muon", ...)``: route, wrap, build Muon + AdamW parts.
+
+    ``sharding="none"``: every buffer replicated (all-reduce), every rank steps everything.
+    ``sharding="zero1"``: Muon matrices in layerwise buffers stepped by their owners
+    ([Note: layer-wise step]); the rest stepped by AdamW.
+    """
+    muon_kwargs, adamw_kwargs = split_muon_kwargs(kwargs)
+    routing = route_params(model, muon_filter=muon_filter)
+    zero1 = sharding == "zero1"
+    modes = {n: Mode.LAYERWISE for n in routing.muon} | {n: Mode.SHARDED for n in routing.adamw} if zero1 else {}
+    ddp = DataParallel(model, process_group=process_group, config=config, modes=modes, requirements=requirements)
+    named = dict(model.named_parameters())
+    parts = []
+    if routing.muon and zero1:
+        parts.append(LayerwiseMuon(ddp, [(n, named[n]) for n in routing.muon], **muon_kwargs))
+    elif routing.muon:
+        parts.append(ReplicatedPart(ddp, torch.optim.Muon([named[n] for n in routing.muon], **muon_kwargs)))
+    if routing.adamw and zero1:
+        parts.append(ShardedOptimizer(ddp, ddp.buffers_for(Mode.SHARDED), torch.optim.AdamW, **adamw_kwargs))
+    elif routing.adamw:
+        parts.append(ReplicatedPart(ddp, torch.optim.AdamW([named[n] for n in routing.adamw], **adamw_kwargs)))
+    optimizer = CompositeOptimizer(ddp, parts, max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather)
+    optimizer.routing = routing
+    return ddp, optimizer

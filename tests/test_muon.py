@@ -1,0 +1,273 @@
+"""parallelize(optimizer="muon"): layer-wise sharded Muon + AdamW against one process (gloo).
+
+The reference is one process on the global batch: ``torch.optim.Muon`` on the routed
+matrices and ``torch.optim.AdamW`` on the rest; the comparison is the relative 2-norm error
+per param. torch's Muon runs Newton–Schulz in bf16, which turns the last-bit difference
+between an all-reduced and a one-process gradient into bf16 rounding flips that five
+matmul iterations spread over the whole update (measured up to ~1e-4 relative on a 515x11
+matrix after one step). So the 1e-5 comparisons patch torch's Newton–Schulz to run in fp32
+(:func:`fp32_newton_schulz`, both sides alike); torch's own bf16 path is checked bit for bit
+against sharding="none" at dp 2 and loosely against one process.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import aligndp
+from aligndp.layout import Mode
+from aligndp.routing import route_params
+from tests._dist import case, make_tests
+from tests.test_ddp import VOCAB, batch, loss_of  # the same global batch at every world size
+
+STEPS = 5
+REL = 1e-5
+MUON_LR, ADAMW_LR = 0.02, 0.01
+
+
+def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """Test reference: torch's quintic Newton–Schulz iteration, in fp32 instead of bf16."""
+    a, b, c = ns_coefficients
+    x = grad.float().T if grad.size(0) > grad.size(1) else grad.float()  # (short, long)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def fp32_newton_schulz():
+    return mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Which net to build: odd sizes everywhere (no dim a multiple of 64)."""
+
+    hidden: tuple[int, ...] = (37,)
+    """Widths of the MLP matrices between the 11-wide residual stream."""
+    tied: bool = False
+    mix: bool = True
+    """An 11x11 matrix used twice per forward."""
+
+
+BASE = Shape()
+TIED = Shape(tied=True)
+ONE_MATRIX = Shape(hidden=(), mix=True)  # fewer matrices than ranks
+HUGE = Shape(hidden=(515, 9))  # one matrix far above every other
+
+
+class Net(nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 11)
+        dims = (11,) + shape.hidden + (11,) if shape.hidden else ()
+        self.mlp = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.mix = nn.Linear(11, 11, bias=False) if shape.mix else None
+        self.norm = nn.LayerNorm(11)
+        self.head = nn.Linear(11, VOCAB, bias=False)
+        if shape.tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        h = x
+        for i, layer in enumerate(self.mlp):
+            h = layer(h) if i == len(self.mlp) - 1 else torch.tanh(layer(h))
+        x = x + h if self.mlp else x
+        if self.mix is not None:
+            x = self.mix(torch.tanh(self.mix(x)))
+        return self.head(self.norm(x))
+
+
+def make_net(shape: Shape = BASE) -> Net:
+    torch.manual_seed(0)
+    return Net(shape)
+
+
+def backward(model, step: int, rank: int, ws: int, micro_batches: int) -> None:
+    """This rank's share of the global batch, in 1 or 2 micro-batches (split along tokens)."""
+    idx, tgt = batch(step, rank, ws)
+    if micro_batches == 1:
+        loss_of(model, idx, tgt).backward()
+        return
+    with model.no_sync():
+        (2 / 5 * loss_of(model, idx[:, :2], tgt[:, :2])).backward()
+    (3 / 5 * loss_of(model, idx[:, 2:], tgt[:, 2:])).backward()
+
+
+class Reference:
+    """One process, global batch: Muon on the routed matrices, AdamW on the rest."""
+
+    def __init__(self, shape: Shape, max_grad_norm: float | None = None):
+        self.net = make_net(shape)
+        routing = route_params(self.net)
+        named = dict(self.net.named_parameters())
+        self.muon = torch.optim.Muon([named[n] for n in routing.muon], lr=MUON_LR)
+        self.adamw = torch.optim.AdamW([named[n] for n in routing.adamw], lr=ADAMW_LR)
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, step: int) -> None:
+        loss_of(self.net, *batch(step)).backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.max_grad_norm)
+        for opt in (self.muon, self.adamw):
+            opt.step()
+            opt.zero_grad()
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm())
+
+
+def assert_replicas_identical(model) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    for r, other in enumerate(gathered[1:], 1):
+        assert torch.equal(other, gathered[0]), f"rank {r}'s params differ from rank 0's"
+
+
+def assert_owners_partition(opt, routing) -> None:
+    """Every Muon matrix is stepped by exactly one rank, and only there has momentum."""
+    muon = opt.parts[0]
+    mine = [muon.names[i] for i in muon.owned]
+    every: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(every, mine)
+    flat = [n for names in every for n in names]
+    assert sorted(flat) == sorted(routing.muon), f"owners {every} do not partition {routing.muon}"
+    stepped = [n for n in muon.names if muon.momentum(n) is not None]
+    assert sorted(stepped) == sorted(mine), f"momentum on {stepped}, owned {mine}"
+
+
+def run_against_reference(rank, ws, *, shape=BASE, sharding="zero1", overlap=True, micro_batches=1,
+                          max_grad_norm=None, bucket_numel=150, rel=REL, fp32_ns=True,
+                          overlap_param_gather=False) -> float:
+    with fp32_newton_schulz() if fp32_ns else contextlib.nullcontext():
+        model, opt = aligndp.parallelize(make_net(shape), optimizer="muon", sharding=sharding, lr=MUON_LR,
+                                         adamw_lr=ADAMW_LR, overlap=overlap, bucket_numel=bucket_numel,
+                                         max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather)
+        return _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel)
+
+
+def _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel):
+    ref = Reference(shape, max_grad_norm)
+    assert opt.routing == route_params(ref.net)
+    if sharding == "zero1":
+        assert {layout.mode for layout in model.layouts} >= {Mode.LAYERWISE}
+    worst = 0.0
+    for step in range(STEPS):
+        backward(model, step, rank, ws, micro_batches)
+        opt.step()
+        opt.zero_grad()
+        ref.step(step)
+        opt.gather.wait_all()  # overlap_param_gather: the gather may still be in flight
+        assert_replicas_identical(model)
+        for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
+            err = rel_error(p, q)
+            worst = max(worst, err)
+            assert err <= rel, f"{shape} {sharding} step {step} {n}: relative error {err:.2e} > {rel}"
+    if sharding == "zero1":
+        assert_owners_partition(opt, opt.routing)
+    return worst
+
+
+@case(2, 3, 4)
+def case_zero1_matches_one_process(rank, ws):
+    for shape in (BASE, TIED, ONE_MATRIX, HUGE):
+        run_against_reference(rank, ws, shape=shape, sharding="zero1")
+
+
+@case(2, 3, 4)
+def case_none_matches_one_process(rank, ws):
+    for shape in (BASE, TIED):
+        run_against_reference(rank, ws, shape=shape, sharding="none")
+
+
+@case(2, 3)
+def case_micro_batches_and_overlap_off(rank, ws):
+    for sharding in ("zero1", "none"):
+        run_against_reference(rank, ws, sharding=sharding, micro_batches=2, overlap=False)
+        run_against_reference(rank, ws, sharding=sharding, micro_batches=2, overlap=True, overlap_param_gather=True)
+
+
+@case(2, 3)
+def case_clipping_one_global_norm(rank, ws):
+    for sharding in ("zero1", "none"):
+        run_against_reference(rank, ws, shape=HUGE, sharding=sharding, max_grad_norm=0.05)
+
+
+@case(3)
+def case_torch_bf16_newton_schulz_close_to_one_process(rank, ws):
+    worst = run_against_reference(rank, ws, shape=HUGE, fp32_ns=False, rel=1e-2)
+    if rank == 0:
+        print(f"bf16 Newton–Schulz, dp {ws}: worst relative error {worst:.2e}")
+
+
+@case(2)
+def case_torch_bf16_newton_schulz_bitwise_equal_to_replicated(rank, ws):
+    """At dp 2 an all-reduce and a reduce-scatter add the same two numbers: the layer-wise step
+    must then give exactly what every rank stepping torch's Muon on the all-reduced grads gives."""
+    runs = {}
+    for sharding in ("none", "zero1"):
+        model, opt = aligndp.parallelize(make_net(HUGE), optimizer="muon", sharding=sharding, lr=MUON_LR,
+                                         bucket_numel=150)
+        for step in range(STEPS):
+            backward(model, step, rank, ws, 1)
+            opt.step()
+            opt.zero_grad()
+        runs[sharding] = [p.detach().clone() for p in model.module.parameters()]
+    for n, a, b in zip(dict(make_net(HUGE).named_parameters()), runs["none"], runs["zero1"]):
+        assert torch.equal(a, b), f"{n}: layer-wise differs from replicated by {rel_error(b, a):.2e}"
+
+
+@case(2)
+def case_param_groups_and_lr_scheduler(rank, ws):
+    model, opt = aligndp.parallelize(make_net(), optimizer="muon", sharding="zero1", lr=MUON_LR, adamw_lr=ADAMW_LR,
+                                     adamw_betas=(0.8, 0.9), momentum=0.9)
+    tags = [g["optimizer"] for g in opt.param_groups]
+    assert tags == ["muon", "adamw"], tags
+    assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[1]["betas"] == (0.8, 0.9)
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.01  # torch's
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for step in range(2):
+        backward(model, step, rank, ws, 1)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert opt.param_groups[0]["lr"] == pytest.approx(MUON_LR / 4)
+    assert opt.parts[1].inner[0].param_groups[0]["lr"] == pytest.approx(ADAMW_LR / 4)
+    assert "muon" in repr(opt).lower() and opt.imbalance >= 1.0 and 0 <= opt.padding_fraction < 1
+
+
+@case(2)
+def case_bf16_params_fp32_masters(rank, ws):
+    net = make_net(HUGE).to(torch.bfloat16)
+    model, opt = aligndp.parallelize(net, optimizer="muon", sharding="zero1", lr=MUON_LR, grad_dtype=torch.float32)
+    muon = opt.parts[0]
+    for step in range(3):
+        backward(model, step, rank, ws, 1)
+        opt.step()
+        opt.zero_grad()
+        assert_replicas_identical(model)
+    for i in muon.owned:
+        assert muon.targets[i].dtype == torch.float32 and muon.targets[i] is not muon.params[i]
+        assert torch.equal(muon.params[i], muon.targets[i].to(torch.bfloat16))
+        assert muon.momentum(muon.names[i]).dtype == torch.float32
+
+
+@case(2)
+def case_bad_options(rank, ws):
+    with pytest.raises(TypeError, match="adamw_"):
+        aligndp.parallelize(make_net(), optimizer="muon", betas=(0.9, 0.99))
+    with pytest.raises(ValueError, match="mlp.0.bias"):
+        aligndp.parallelize(make_net(), optimizer="muon", muon_filter=lambda n, p, m: n.startswith("mlp"))
+
+
+make_tests(globals())
