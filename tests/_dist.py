@@ -64,13 +64,20 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
 
 
 _REGISTRY: dict[str, dict[str, tuple[int, ...]]] = {}
+_AFTER: dict[str, dict[int, set[int]]] = {}
+"""module -> world size -> world sizes whose cases must have run first (e.g. wrote a file it reads)."""
 
 
-def case(*world_sizes: int) -> Callable:
-    """Register a module-level function ``fn(rank, world_size)`` to run at these world sizes."""
+def case(*world_sizes: int, after: tuple[int, ...] = ()) -> Callable:
+    """Register a module-level function ``fn(rank, world_size)`` to run at these world sizes.
+
+    ``after``: world sizes of this module whose cases run before these (whatever pytest selects).
+    """
 
     def register(fn: Callable) -> Callable:
         _REGISTRY.setdefault(fn.__module__, {})[fn.__name__] = world_sizes
+        for ws in world_sizes:
+            _AFTER.setdefault(fn.__module__, {}).setdefault(ws, set()).update(after)
         return fn
 
     return register
@@ -83,6 +90,8 @@ def make_tests(module_globals: dict) -> None:
     cache: dict[int, dict[str, str | None]] = {}
 
     def results(ws: int) -> dict[str, str | None]:
+        for first in sorted(_AFTER.get(module, {}).get(ws, ())):
+            results(first)
         if ws not in cache:
             cache[ws] = run_cases(module, [n for n, s in cases.items() if ws in s], ws)
         return cache[ws]

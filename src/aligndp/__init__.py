@@ -11,6 +11,7 @@ from aligndp.layout import (
     plan_layout,
     validate,
 )
+from aligndp.checkpoint import load, save
 from aligndp.parallelize import parallelize
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "ParamSpec",
     "Requirement",
     "parallelize",
+    "load",
+    "save",
     "plan_buffers",
     "plan_layout",
     "validate",

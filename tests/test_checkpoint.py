@@ -1,0 +1,166 @@
+"""aligndp.save / aligndp.load: reshard across dp sizes, bucket sizes and sharding modes (gloo).
+
+The world-size-2 cases write checkpoints into a directory shared by every process of this
+test session (``ALIGNDP_TEST_CKPT_DIR``, created by the pytest process, inherited by the
+spawned ranks); the world-size-1 and -3 cases run after them (``after=(2,)``) and read them.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+import aligndp
+from tests._dist import case, make_tests
+from tests.test_ddp import Net, batch, loss_of, make_net
+from tests.test_zero1 import assert_rel
+
+if "ALIGNDP_TEST_CKPT_DIR" not in os.environ:  # the pytest process; ranks inherit the variable
+    os.environ["ALIGNDP_TEST_CKPT_DIR"] = tempfile.mkdtemp(prefix="aligndp-ckpt-")
+    atexit.register(shutil.rmtree, os.environ["ALIGNDP_TEST_CKPT_DIR"], True)
+ROOT = os.environ["ALIGNDP_TEST_CKPT_DIR"]
+SAVED_AT = 2  # steps trained before the save
+TOTAL = 5
+LR = 1e-2
+
+
+def ckpt(name: str) -> str:
+    return os.path.join(ROOT, name)
+
+
+def train(model, opt, steps: range) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        loss_of(model, *batch(step, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+    if hasattr(opt, "gather"):
+        opt.gather.wait_all()
+
+
+def reference(steps: int) -> nn.Module:
+    """One process, global batch, torch AdamW: the uninterrupted run."""
+    ref = make_net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(steps):
+        loss_of(ref, *batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def build(sharding: str, bucket_numel: int | None, dtype=torch.float32, **kwargs):
+    return aligndp.parallelize(make_net().to(dtype), sharding=sharding, lr=LR, bucket_numel=bucket_numel, **kwargs)
+
+
+# ---- world size 2: write ----
+
+@case(2)
+def case_save_at_two_ranks(rank, ws):
+    for sharding in ("zero1", "none"):
+        model, opt = build(sharding, bucket_numel=200)
+        train(model, opt, range(SAVED_AT))
+        aligndp.save(ckpt(sharding), model, opt, step=SAVED_AT)
+    assert not os.path.exists(ckpt("zero1") + ".partial")
+    keys = dcp.FileSystemReader(ckpt("zero1")).read_metadata().state_dict_metadata
+    assert "optim.state.fc1.weight.exp_avg" in keys and tuple(keys["model.fc1.weight"].size) == (37 * 11,)
+    chunks = keys["optim.state.fc1.weight.exp_avg"].chunks
+    assert len(chunks) == 2 and sum(c.sizes[0] for c in chunks) == 37 * 11, "each rank writes only its own part"
+
+
+@case(2)
+def case_bf16_resume_is_exact(rank, ws):
+    """fp32 masters are what is saved: a resumed bf16 run is bit-identical to the uninterrupted one."""
+    model, opt = build("zero1", 200, torch.bfloat16, grad_dtype=torch.float32)
+    train(model, opt, range(SAVED_AT))
+    aligndp.save(ckpt("bf16"), model, opt, step=SAVED_AT)
+    train(model, opt, range(SAVED_AT, TOTAL))
+    again, again_opt = build("zero1", 200, torch.bfloat16, grad_dtype=torch.float32)
+    assert aligndp.load(ckpt("bf16"), again, again_opt) == SAVED_AT
+    train(again, again_opt, range(SAVED_AT, TOTAL))
+    for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):
+        assert torch.equal(p, q), f"{n} differs after resuming"
+    for a, b in zip(opt.pieces, again_opt.pieces):
+        assert torch.equal(a.master, b.master), f"{a.segment.name}: fp32 master differs"
+
+
+@case(2)
+def case_failed_save_keeps_previous_checkpoint(rank, ws):
+    path = ckpt("interrupted")
+    model, opt = build("zero1", 200)
+    train(model, opt, range(1))
+    aligndp.save(path, model, opt, step=1)
+    saved = [p.detach().clone() for p in model.module.parameters()]
+    train(model, opt, range(1, 2))
+    original = dcp.FileSystemWriter.write_data
+
+    def broken(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError("disk full (injected)")
+        return original(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = broken
+    try:
+        with pytest.raises(Exception, match="disk full"):
+            aligndp.save(path, model, opt, step=2)
+    finally:
+        dcp.FileSystemWriter.write_data = original
+    dist.barrier()
+    fresh, fresh_opt = build("zero1", 300)
+    assert aligndp.load(path, fresh, fresh_opt) == 1
+    for (n, p), q in zip(fresh.module.named_parameters(), saved):
+        assert torch.equal(p, q), f"{n}: the previous checkpoint did not survive the failed save"
+    aligndp.save(path, model, opt, step=2)  # a later save replaces the stale partial directory
+    assert aligndp.load(path, fresh, fresh_opt) == 2
+
+
+class Other(Net):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(11, 36)
+        self.fc2 = nn.Linear(36, 11)
+        self.extra = nn.Linear(2, 2)
+
+
+@case(2)
+def case_wrong_model_is_a_clear_error(rank, ws):
+    model, opt = aligndp.parallelize(Other(), sharding="zero1", lr=LR)
+    with pytest.raises(ValueError) as info:
+        aligndp.load(ckpt("zero1"), model, opt)
+    text = str(info.value)
+    for expected in ("extra.weight", "fc1.weight: checkpoint [37, 11] vs model [36, 11]", "missing", "unexpected"):
+        assert expected in text, f"{expected!r} not in {text!r}"
+    with pytest.raises(ValueError, match="no aligndp checkpoint"):
+        aligndp.load(ckpt("nothing-here"), model, opt)
+
+
+# ---- world sizes 1 and 3: read what world size 2 wrote ----
+
+def resume_and_compare(saved: str, sharding: str, bucket_numel: int | None) -> None:
+    model, opt = build(sharding, bucket_numel)
+    assert aligndp.load(ckpt(saved), model, opt) == SAVED_AT
+    assert_rel(model.module, reference(SAVED_AT), f"{saved} -> {sharding} right after load")
+    train(model, opt, range(SAVED_AT, TOTAL))
+    assert_rel(model.module, reference(TOTAL), f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps")
+
+
+@case(1, 3, after=(2,))
+def case_resume_zero1_other_dp_size_and_bucket_size(rank, ws):
+    resume_and_compare("zero1", "zero1", bucket_numel=300)
+    resume_and_compare("zero1", "zero1", bucket_numel=None)
+
+
+@case(1, 3, after=(2,))
+def case_resume_across_sharding_modes(rank, ws):
+    resume_and_compare("none", "zero1", bucket_numel=250)
+    resume_and_compare("zero1", "none", bucket_numel=250)
+
+
+make_tests(globals())
