@@ -57,11 +57,14 @@ def lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
-def _set_lr(optimizer, factor: float) -> None:
-    """Scale every param group's lr to ``factor`` times the lr it was built with."""
-    for group in getattr(optimizer, "param_groups", ()):
-        group.setdefault("peak_lr", group["lr"])
-        group["lr"] = group["peak_lr"] * factor
+def _set_lr(optimizer, peak_lrs: list[float], factor: float) -> None:
+    """Set every param group's lr to ``factor`` times its peak (the lr it was built with).
+
+    The peaks are read once, before a checkpoint is loaded: a loaded optimizer carries the
+    scaled lr of its last step, not the peak.
+    """
+    for group, peak in zip(getattr(optimizer, "param_groups", ()), peak_lrs):
+        group["lr"] = peak * factor
 
 
 def wgrad_backend(config: TrainConfig) -> str:
@@ -117,6 +120,8 @@ class _Job:
     device: torch.device
     rank: int
     dp_size: int
+    peak_lrs: list[float]
+    """Each optimizer param group's lr as built (see _set_lr)."""
 
     def autocast(self):
         if self.config.dtype == "bf16":
@@ -147,7 +152,8 @@ def _setup(config: TrainConfig) -> _Job:
         module, optimizer=config.optimizer, sharding=config.sharding, lr=config.lr,
         wgrad=None if config.wgrad == "none" else config.wgrad,
     )
-    return _Job(config, model, optimizer, data, spec, device, rank, dp_size)
+    peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
+    return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
 
 
 def _train_step(job: _Job, step: int) -> float:
@@ -206,7 +212,7 @@ def _train(config: TrainConfig) -> dict:
     train_loss = eval_loss = float("nan")
     for step in range(start_step, config.steps):
         factor = lr_factor(step, config.steps)
-        _set_lr(job.optimizer, factor)
+        _set_lr(job.optimizer, job.peak_lrs, factor)
         started = time.perf_counter()
         train_loss = _train_step(job, step)
         seconds = time.perf_counter() - started
