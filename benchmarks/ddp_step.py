@@ -59,6 +59,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--buckets", default="10000000,40000000,100000000", help="aligndp bucket_numel values to try")
     ap.add_argument("--torch-bucket-mb", default="25,100")
+    ap.add_argument("--max-ctas", default="", help="also try NCCL communicators capped at these CTA counts, e.g. 4,8")
+    ap.add_argument("--high-priority", action="store_true",
+                    help="also try NCCL communicators on a high-priority stream (with each --max-ctas and uncapped)")
+    ap.add_argument("--no-comm", action="store_true", help="also time aligndp with collectives skipped (hook cost)")
     args = ap.parse_args()
 
     cuda = args.device == "cuda"
@@ -93,23 +97,43 @@ def main() -> None:
         del ddp
     del model
 
-    for numel in [int(x) for x in args.buckets.split(",")]:
-        for overlap in (True, False):
-            ours = DataParallel(make(), config=DDPConfig(bucket_numel=numel, overlap=overlap))
+    groups: list[tuple[str, dist.ProcessGroup | None]] = [("default", None)]
+    for high_priority in (False, True) if args.high_priority else (False,):
+        for ctas in [0] + [int(x) for x in args.max_ctas.split(",") if x]:
+            if not (ctas or high_priority):
+                continue
+            opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+            if ctas:
+                opts.config.max_ctas = ctas
+            name = f"high_priority={high_priority},max_ctas={ctas or 'default'}"
+            groups.append((name, dist.new_group(backend="nccl", pg_options=opts)))
+    sizes = [int(x) for x in args.buckets.split(",")]
+    variants = [(sizes[0], overlap, "default", None, False) for overlap in (True, False)]
+    variants += [(numel, True, name, group, False) for name, group in groups[1:] for numel in sizes]
+    if args.no_comm:
+        variants.append((int(args.buckets.split(",")[0]), True, "default", None, True))
+    for numel, overlap, name, group, no_comm in variants:
+        ours = DataParallel(make(), process_group=group, config=DDPConfig(bucket_numel=numel, overlap=overlap))
+        if no_comm:
+            ours.dp_size = 1  # benchmark-only: skip the collectives, keep hooks and copies
 
-            def step() -> None:
-                ours.zero_grad_buffer()
-                fwdbwd(ours)
-                ours.finish_grad_sync()
+        def step() -> None:
+            ours.zero_grad_buffer()
+            fwdbwd(ours)
+            ours.finish_grad_sync()
 
-            t = timed(step, device=device, iters=args.iters, warmup=args.warmup)
-            layout = ours.layouts[0]
-            log(what="aligndp_ddp", bucket_numel=numel, overlap=overlap, buckets=len(layout.buckets),
-                padding_fraction=layout.padding_fraction, step_ms=t * 1e3, overhead=t / t_local)
-            ours.remove_hooks()
-            del ours
-            if cuda:
-                torch.cuda.empty_cache()
+        t = timed(step, device=device, iters=args.iters, warmup=args.warmup)
+        layout = ours.layouts[0]
+        log(what="aligndp_ddp", bucket_numel=numel, overlap=overlap, group=name, no_comm=no_comm,
+            buckets=len(layout.buckets), padding_fraction=layout.padding_fraction, step_ms=t * 1e3,
+            overhead=t / t_local)
+        ours.remove_hooks()
+        del ours
+        if cuda:
+            torch.cuda.empty_cache()
+    model = make()
+    log(what="local_again", fwdbwd_ms=timed(lambda: fwdbwd(model), device=device, iters=args.iters,
+                                             warmup=args.warmup) * 1e3)
     dist.destroy_process_group()
 
 
