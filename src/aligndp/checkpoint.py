@@ -234,6 +234,7 @@ def save(path: str | os.PathLike, model: DataParallel, optimizer=None, *, step: 
             json.dump(meta, f, indent=1)
         old = path + ".old"
         if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)  # only a save that died between the renames leaves one
             os.replace(path, old)
         os.replace(partial, path)
         shutil.rmtree(old, ignore_errors=True)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from aligndp.buffer import FlatBuffer
+from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.collectives import all_reduce_sum
 from aligndp.ddp import DataParallel
 from aligndp.layout import BufferLayout, Mode
@@ -143,11 +144,14 @@ class ShardedOptimizer(DataParallelOptimizer):
         masters = [p.master for p in self.pieces]
         # a rank that owns only padding still needs param_groups (lr schedulers): a placeholder
         # without a grad is skipped by every torch optimizer
-        device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        inner = opt_class(masters or [torch.zeros(0, device=device)], **optimizer_kwargs)
+        inner = opt_class(masters or [torch.zeros(0, device=self._device)], **optimizer_kwargs)
         super().__init__(model, [inner])
         self.gather = ParamGather(self.buffers, group=model.process_group, module=model.module,
                                   overlap=overlap_param_gather)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
 
     def _bind(self, buf: FlatBuffer) -> list[_Piece]:
         segments = owned_segments(buf.layout, rank=self.rank)
@@ -217,10 +221,6 @@ class ShardedOptimizer(DataParallelOptimizer):
         self.step_owned()
         self.gather.launch()
 
-    @property
-    def _device(self) -> torch.device:
-        return self.buffers[0].device if self.buffers else torch.device("cpu")
-
     # ---- model-space state ([Note: model-space state] in aligndp/checkpoint.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened param ``name`` this rank steps; ``(0, 0)`` if none."""
@@ -231,26 +231,16 @@ class ShardedOptimizer(DataParallelOptimizer):
 
     def model_space_state_dict(self) -> dict[str, object]:
         """Owned fp32 params and optimizer state keyed by param name; see aligndp/checkpoint.py."""
-        from aligndp.checkpoint import FlatPiece, torch_state_to_model_space
-
         self.gather.wait_all()
         names = [p.segment.name for p in self.pieces]
-        sd: dict[str, object] = {}
-        for p in self.pieces:
-            numel = p.param.numel()
-            sd[f"param.{p.segment.name}"] = FlatPiece(p.master.detach(), offset=p.segment.offset, numel=numel)
-        sd.update(torch_state_to_model_space(self.inner[0], names, self.pieces_numel()))
-        return sd
-
-    def pieces_numel(self) -> dict[str, tuple[int, int]]:
-        """name -> (offset of the owned part, numel of the full param)."""
-        return {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
+        extents = {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
+        sd: dict[str, object] = {f"param.{p.segment.name}": FlatPiece(p.master.detach(), p.segment.offset,
+                                                                       p.param.numel()) for p in self.pieces}
+        return sd | torch_state_to_model_space(self.inner[0], names, extents)
 
     @torch.no_grad()
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
         """Inverse of :meth:`model_space_state_dict` for this rank's (possibly different) ownership."""
-        from aligndp.checkpoint import model_space_to_torch_state
-
         self.gather.wait_all()
         for p in self.pieces:
             piece = sd[f"param.{p.segment.name}"]

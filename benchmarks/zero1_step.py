@@ -1,0 +1,151 @@
+"""ZeRO-1 full step against torch DDP + fused AdamW on the same model, measured in one run.
+
+GPU (the figure we report; goal: ratio <= 0.95, state padding <= 0.5 %):
+    torchrun --nproc-per-node 2 benchmarks/zero1_step.py --preset 1b --batch 8
+CPU smoke run (gloo):
+    torchrun --nproc-per-node 2 benchmarks/zero1_step.py --preset demo --device cpu --batch 2 --iters 2
+
+A "step" is forward + backward + gradient collectives + optimizer + param all-gather, i.e.
+everything between two forwards. Steps are timed back to back (one device sync per
+``--iters`` steps) so a param all-gather overlapped with the next forward counts as hidden.
+JSON lines on rank 0:
+  torch_ddp   torch DDP (bf16 grads, gradient_as_bucket_view) + torch.optim.AdamW(fused=True)
+  zero1       aligndp parallelize(sharding="zero1"), per overlap_param_gather setting; ratio = zero1 / torch
+  state       optimizer bytes per rank (fp32 masters + AdamW state) against total / dp_size
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import aligndp
+from aligndp.models.gpt import GPT, PRESETS
+
+
+def log(**kw) -> None:
+    if dist.get_rank() == 0:
+        print(json.dumps(kw), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_step_seconds(step, *, device: torch.device, iters: int, warmup: int) -> float:
+    """Mean seconds per step over ``iters`` back-to-back steps (after ``warmup``), synced once."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (exp_avg, exp_avg_sq, step)."""
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU (of the preset's seq_len)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bucket-numel", type=int, default=40_000_000)
+    ap.add_argument("--grad-dtype", default="param", choices=["param", "fp32"],
+                    help="aligndp gradient buffer dtype (torch DDP always reduces in the param dtype)")
+    args = ap.parse_args()
+
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = PRESETS[args.preset]
+    ws = dist.get_world_size()
+    log(what="env", torch=torch.__version__, world_size=ws, device=torch.cuda.get_device_name() if cuda else "cpu",
+        preset=args.preset, batch=args.batch, seq_len=cfg.seq_len, dtype=str(dtype))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(cfg).to(device=device, dtype=dtype)
+
+    gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device, generator=gen)
+
+    model = make()
+    nparams = sum(p.numel() for p in model.parameters())
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def torch_step() -> None:
+        ddp(idx, idx).backward()
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+
+    t_torch = per_step_seconds(torch_step, device=device, iters=args.iters, warmup=args.warmup)
+    torch_state = state_bytes(torch_opt)
+    log(what="torch_ddp", params=nparams, step_ms=t_torch * 1e3, optimizer_state_bytes=torch_state)
+    del ddp, torch_opt, model
+    if cuda:
+        torch.cuda.empty_cache()
+
+    grad_dtype = torch.float32 if args.grad_dtype == "fp32" else None
+    best = None
+    for overlap_param_gather in (False, True):
+        ours, opt = aligndp.parallelize(make(), sharding="zero1", lr=1e-4, bucket_numel=args.bucket_numel,
+                                        grad_dtype=grad_dtype, overlap_param_gather=overlap_param_gather,
+                                        fused=True)
+
+        def zero1_step() -> None:
+            ours(idx, idx).backward()
+            opt.step()
+            opt.zero_grad()
+
+        t = per_step_seconds(zero1_step, device=device, iters=args.iters, warmup=args.warmup)
+        best = t if best is None else min(best, t)
+        log(what="zero1", overlap_param_gather=overlap_param_gather, bucket_numel=args.bucket_numel,
+            buckets=sum(len(layout.buckets) for layout in ours.layouts), step_ms=t * 1e3, ratio=t / t_torch)
+        if overlap_param_gather:
+            report_state(opt, ours, nparams=nparams, ws=ws)
+        opt.gather.wait_all()
+        ours.remove_hooks()
+        opt.gather.remove_hooks()
+        del ours, opt
+        if cuda:
+            torch.cuda.empty_cache()
+    log(what="summary", ratio=best / t_torch, goal=0.95, met=best / t_torch <= 0.95)
+    dist.destroy_process_group()
+
+
+def report_state(opt, model, *, nparams: int, ws: int) -> None:
+    """Optimizer bytes (fp32 masters that are copies + state) per rank vs the ideal total / dp_size."""
+    masters = sum(p.master.numel() * 4 for p in opt.pieces if p.cast_back)
+    mine = state_bytes(opt.inner[0]) + masters
+    scalar = sum(t.numel() * t.element_size() for s in opt.inner[0].state.values() for t in s.values()
+                 if torch.is_tensor(t) and t.dim() == 0)
+    everyone: list[int] = [0] * ws
+    dist.all_gather_object(everyone, [mine, scalar])
+    per_element = (2 * 4) + (4 if any(p.cast_back for p in opt.pieces) or not opt.pieces else 0)
+    ideal = nparams * per_element / ws
+    worst = max(m - s for m, s in everyone)  # per-param step counters are not per-element state
+    log(what="state", bytes_per_rank=[m for m, _ in everyone], ideal_bytes_per_rank=ideal,
+        padding_over_ideal=worst / ideal - 1, goal=0.005,
+        layout_padding_fraction=max(layout.padding_fraction for layout in model.layouts))
+
+
+if __name__ == "__main__":
+    main()
