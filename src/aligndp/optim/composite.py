@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel
 from aligndp.layout import Mode
 from aligndp.optim.base import DataParallelOptimizer
@@ -86,8 +87,6 @@ class ReplicatedPart:
         return 0, self.params[self.names.index(name)].numel()
 
     def model_space_state_dict(self) -> dict[str, object]:
-        from aligndp.checkpoint import FlatPiece, torch_state_to_model_space
-
         sd: dict[str, object] = {f"param.{n}": FlatPiece(p.detach().float().reshape(-1), 0, p.numel())
                                  for n, p in zip(self.names, self.params)}
         extents = {n: (0, p.numel()) for n, p in zip(self.names, self.params)}
@@ -95,8 +94,6 @@ class ReplicatedPart:
 
     @torch.no_grad()
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
-        from aligndp.checkpoint import model_space_to_torch_state
-
         for n, p in zip(self.names, self.params):
             p.copy_(sd[f"param.{n}"].tensor.view(p.shape))
         model_space_to_torch_state(self.inner[0], self.names, sd)

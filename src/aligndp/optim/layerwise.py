@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.layout import Mode, Requirement
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart, sum_of_squares
@@ -103,8 +104,6 @@ class LayerwiseMuon:
         return (0, self.params[i].numel()) if self.owners[i] == self.model.rank else (0, 0)
 
     def model_space_state_dict(self) -> dict[str, object]:
-        from aligndp.checkpoint import FlatPiece, torch_state_to_model_space
-
         sd: dict[str, object] = {}
         for i in self.owned:
             sd[f"param.{self.names[i]}"] = FlatPiece(self.targets[i].detach().float().reshape(-1), 0,
@@ -115,8 +114,6 @@ class LayerwiseMuon:
     @torch.no_grad()
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
         """Values and momentum of the owned matrices; the composite all-gathers the rest."""
-        from aligndp.checkpoint import model_space_to_torch_state
-
         for i in self.owned:
             self.targets[i].copy_(sd[f"param.{self.names[i]}"].tensor.view(self.params[i].shape))
             if self.targets[i] is not self.params[i]:
