@@ -17,7 +17,9 @@ from typing import Protocol
 
 import torch
 
+from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
+from aligndp.collectives import all_gather_shards
 from aligndp.ddp import DataParallel
 from aligndp.layout import Mode
 from aligndp.optim.base import DataParallelOptimizer
@@ -25,7 +27,7 @@ from aligndp.optim.replicated import clip_by_total_norm
 from aligndp.optim.sharded import global_grad_norm
 from aligndp.param_gather import ParamGather
 
-__all__ = ["OptimizerPart", "ReplicatedPart", "CompositeOptimizer"]
+__all__ = ["OptimizerPart", "ReplicatedPart", "CompositeOptimizer", "BucketGather"]
 
 
 class OptimizerPart(Protocol):
@@ -99,6 +101,36 @@ class ReplicatedPart:
         model_space_to_torch_state(self.inner[0], self.names, sd)
 
 
+class BucketGather(ParamGather):
+    """A :class:`ParamGather` that can also start one bucket early.
+
+    Layer-wise Muon steps one bucket at a time and starts that bucket's all-gather at once, so
+    it runs on the communication stream while the next bucket's Newton–Schulz runs on the
+    compute stream; :meth:`launch_rest` then starts every bucket not started yet. Each rank
+    starts the same buckets in the same order (bucket order, whether it owns matrices there or not).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._launched: set[tuple[int, int]] = set()
+
+    def launch_bucket(self, buffer: FlatBuffer, bucket: int) -> None:
+        key = (next(i for i, b in enumerate(self.buffers) if b is buffer), bucket)
+        if self.dp_size > 1:
+            self._pending[key] = all_gather_shards(buffer.bucket_param(bucket), group=self.group)
+        self._launched.add(key)
+
+    def launch_rest(self) -> None:
+        """Start every bucket :meth:`launch_bucket` did not; wait for all unless overlapping the forward."""
+        for i, buf in enumerate(self.buffers):
+            for b in range(len(buf.layout.buckets)):
+                if (i, b) not in self._launched:
+                    self.launch_bucket(buf, b)
+        self._launched.clear()
+        if not self.overlap:
+            self.wait_all()
+
+
 class CompositeOptimizer(DataParallelOptimizer):
     """One optimizer over several parts (e.g. layer-wise Muon + ZeRO-1 AdamW).
 
@@ -123,8 +155,11 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.routing = None
         """The :class:`~aligndp.routing.Routing` that split the params, when one did."""
         gathered = [b for b in model.flat_buffers if b.param_data is not None]
-        self.gather = ParamGather(gathered, group=model.process_group, module=model.module,
-                                  overlap=overlap_param_gather)
+        self.gather = BucketGather(gathered, group=model.process_group, module=model.module,
+                                   overlap=overlap_param_gather)
+        for part in self.parts:
+            if hasattr(part, "on_bucket_stepped"):  # layer-wise Muon: gather each bucket once it is stepped
+                part.on_bucket_stepped = self.gather.launch_bucket
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -142,7 +177,7 @@ class CompositeOptimizer(DataParallelOptimizer):
                 part.scale_grads(self.max_grad_norm, total)
         for part in self.parts:
             part.step_owned()
-        self.gather.launch()
+        self.gather.launch_rest()
 
     # ---- [Note: model-space state] (aligndp/checkpoint.py) ----
     def _part_of(self, name: str) -> OptimizerPart:
@@ -176,7 +211,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         for part, count in zip(self.parts, counts):
             part.load_model_space_state_dict(sd | {"param_groups": groups[:count]})
             groups = groups[count:]
-        self.gather.launch()
+        self.gather.launch_rest()
         self.gather.wait_all()
 
     # ---- reporting ----

@@ -11,18 +11,20 @@ mean gradient (the other views hold garbage). One step is then:
 2. step owned: ``torch.optim.Muon.step()`` — Muon skips params whose ``.grad`` is None, so the
    inner optimizer holds *every* matrix (identical ``param_groups`` on every rank, also on a
    rank that owns none) but only touches and keeps momentum for its own;
-3. all-gather: owners' shards of ``param_data`` go to every rank (the composite optimizer does
-   it once for all sharded buffers, see :mod:`aligndp.optim.composite`).
+3. all-gather: owners' shards of ``param_data`` go to every rank. Steps 2 and 3 go bucket by
+   bucket: bucket k's all-gather (started through the composite optimizer's
+   :class:`~aligndp.optim.composite.BucketGather`) runs while bucket k+1 is orthogonalised.
 
 The maths is torch's ``Muon``; this file only decides ownership and moves data.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.layout import Mode, Requirement
@@ -65,6 +67,13 @@ class LayerwiseMuon:
             for p, o in zip(self.params, self.owners)
         ]
         self.inner = [torch.optim.Muon(self.targets, **muon_kwargs)]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._buckets = [  # (buffer, bucket, indices of its Muon matrices), in gather order
+            (buf, b, [index[id(p)] for p, s in zip(buf.params, buf.slots) if s.bucket == b and id(p) in index])
+            for buf in model.buffers_for(Mode.LAYERWISE) for b in range(len(buf.layout.buckets))
+        ]
+        self.on_bucket_stepped: Callable[[FlatBuffer, int], None] | None = None
+        """Called after each layer-wise bucket is stepped (the composite starts its all-gather)."""
 
     @property
     def owned(self) -> list[int]:
@@ -85,13 +94,25 @@ class LayerwiseMuon:
 
     @torch.no_grad()
     def step_owned(self) -> None:
-        """2. step owned: torch's Muon (it skips the matrices without ``.grad``); masters cast back."""
-        self.inner[0].step()
-        for i in self.owned:
+        """2. step owned, bucket by bucket: torch's Muon steps exactly the matrices that have a
+        ``.grad``, so each bucket's grads are handed over in turn; masters are cast back.
+        3. all-gather: ``on_bucket_stepped(buffer, bucket)`` (set by the composite optimizer)
+        starts each bucket's gather, overlapping the next bucket's Newton–Schulz."""
+        grads = {i: self.targets[i].grad for i in self.owned}
+        for i in grads:
             self.targets[i].grad = None
-            if self.targets[i] is not self.params[i]:
-                self.params[i].copy_(self.targets[i])  # fp32 master -> the param's view in param_data
-        # 3. all-gather: the composite optimizer gathers every sharded buffer once
+        for buf, bucket, members in self._buckets:
+            mine = [i for i in members if i in grads]
+            for i in mine:
+                self.targets[i].grad = grads[i]
+            if mine:
+                self.inner[0].step()
+            for i in mine:
+                self.targets[i].grad = None
+                if self.targets[i] is not self.params[i]:
+                    self.params[i].copy_(self.targets[i])  # fp32 master -> the param's view in param_data
+            if self.on_bucket_stepped is not None:
+                self.on_bucket_stepped(buf, bucket)
 
     def momentum(self, name: str) -> torch.Tensor | None:
         """The momentum buffer of matrix ``name`` on this rank (None if not owned or not stepped yet)."""
