@@ -13,6 +13,7 @@ from aligndp.layout import (
 )
 from aligndp.checkpoint import load, save
 from aligndp.parallelize import parallelize
+from aligndp.routing import Routing, route_params
 
 __all__ = [
     "BufferLayout",
@@ -23,7 +24,9 @@ __all__ = [
     "ParamSlot",
     "ParamSpec",
     "Requirement",
+    "Routing",
     "parallelize",
+    "route_params",
     "load",
     "save",
     "plan_buffers",
