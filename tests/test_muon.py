@@ -181,14 +181,16 @@ def _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches,
 
 @case(2, 3, 4)
 def case_zero1_matches_one_process(rank, ws):
-    for shape in (BASE, TIED, ONE_MATRIX, HUGE):
-        run_against_reference(rank, ws, shape=shape, sharding="zero1")
+    worst = max(run_against_reference(rank, ws, shape=shape, sharding="zero1") for shape in (BASE, TIED, ONE_MATRIX, HUGE))
+    if rank == 0:
+        print(f"zero1, dp {ws}: worst relative error {worst:.2e}")
 
 
 @case(2, 3, 4)
 def case_none_matches_one_process(rank, ws):
-    for shape in (BASE, TIED):
-        run_against_reference(rank, ws, shape=shape, sharding="none")
+    worst = max(run_against_reference(rank, ws, shape=shape, sharding="none") for shape in (BASE, TIED))
+    if rank == 0:
+        print(f"none, dp {ws}: worst relative error {worst:.2e}")
 
 
 @case(2, 3)
