@@ -209,7 +209,9 @@ def _train(config: TrainConfig) -> dict:
     tokens_per_step = config.batch_size * job.spec.seq_len
     progress = Progress(total=config.steps, initial=start_step, enabled=job.rank == 0)
     timed_tokens, timed_seconds = 0, 0.0
-    train_loss = eval_loss = float("nan")
+    # a run resumed from its last checkpoint has no step left: report what metrics.jsonl holds
+    train_loss = metrics.records[-1]["loss"] if metrics.records else float("nan")
+    eval_loss = next((r["eval_loss"] for r in reversed(metrics.records) if "eval_loss" in r), float("nan"))
     for step in range(start_step, config.steps):
         factor = lr_factor(step, config.steps)
         _set_lr(job.optimizer, job.peak_lrs, factor)

@@ -126,8 +126,12 @@ class Summary:
 
     def lines(self) -> list[str]:
         padding = 100 * self.padding_numel / self.padded_numel if self.padded_numel else float("nan")
+        if self.start_step < self.steps:
+            trained = f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s) in {self.wall_s:.1f} s"
+        else:
+            trained = f"nothing left to train: resumed at step {self.start_step} of {self.steps} (raise --steps to go on)"
         return [
-            f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s) in {self.wall_s:.1f} s",
+            trained,
             f"loss {self.first_loss:.4f} -> {self.train_loss:.4f} (train), eval {self.eval_loss:.4f}"
             f" (uniform over 256 bytes would be {math.log(256):.4f})",
             f"throughput {self.tokens_per_s:,.0f} tokens/s, peak memory {self.peak_memory_bytes / 2**20:,.1f} MiB per rank",
