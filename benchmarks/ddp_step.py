@@ -7,7 +7,9 @@ CPU smoke run (gloo):
 
 Prints one JSON object per measurement on rank 0. "step" is forward + backward + every
 gradient collective finished (torch DDP finishes inside backward; aligndp in
-``finish_grad_sync``), so both numbers cover the same work.
+``finish_grad_sync``), so both numbers cover the same work. The baseline "local" is the
+slowest rank's median fwd+bwd: ranks meet in every collective, so no data-parallel step can
+beat it, and rank 0's own figure would count a slower peer GPU as communication overhead.
 """
 from __future__ import annotations
 
@@ -35,19 +37,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, *, device: torch.device, iters: int, warmup: int) -> float:
-    """Median seconds of ``fn`` over ``iters`` runs, each ended by a device sync and barrier."""
+def slowest(seconds: float, device: torch.device) -> list[float]:
+    """Every rank's figure (a DDP step can be no faster than its slowest rank's local work)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [x.item() for x in out]
+
+
+def timed(fn, *, device: torch.device, iters: int, warmup: int, repeats: int = 3) -> float:
+    """Seconds per call of ``fn`` in steady state: ``iters`` calls back to back (as in training,
+    no barrier between steps), the median of ``repeats`` such runs."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
+    runs = []
+    for _ in range(repeats):
         sync(device)
         dist.barrier()
-        t = time.perf_counter()
-        fn()
         sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        runs.append((time.perf_counter() - t) / iters)
+    return statistics.median(runs)
 
 
 def main() -> None:
@@ -87,8 +100,10 @@ def main() -> None:
 
     model = make()
     nparams = sum(p.numel() for p in model.parameters())
-    t_local = timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup)
-    log(what="local", params=nparams, fwdbwd_ms=t_local * 1e3)
+    per_rank = slowest(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
+    # the baseline is the slowest rank's local fwd+bwd: ranks meet in every collective
+    t_local = max(per_rank)
+    log(what="local", params=nparams, fwdbwd_ms=t_local * 1e3, per_rank_ms=[x * 1e3 for x in per_rank])
 
     for mb in [float(x) for x in args.torch_bucket_mb.split(",")]:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb, gradient_as_bucket_view=True)
@@ -132,8 +147,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     model = make()
-    log(what="local_again", fwdbwd_ms=timed(lambda: fwdbwd(model), device=device, iters=args.iters,
-                                             warmup=args.warmup) * 1e3)
+    again = slowest(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
+    log(what="local_again", per_rank_ms=[x * 1e3 for x in again])
     dist.destroy_process_group()
 
 
