@@ -11,6 +11,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from aligndp import cli
 from aligndp.train import TrainConfig, add_arguments, config_from_args
@@ -84,12 +85,19 @@ def _error_line(capsys):
      r"--batch-size 6 does not split into --nproc 2 ranks x --micro-batches 4 = 8 equal parts.*--batch-size 8"),
     (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
     (["--resume"], "holds no checkpoint; run once with --checkpoint-every N first"),
+    (["--wgrad", "fp8"], "--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda"),
 ])
 def test_bad_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert _train(args, tmp_path) == 2
     line = _error_line(capsys)
     assert line.startswith("aligndp train: error: ")
     assert re.search(message, line), line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu(tmp_path, capsys):
+    assert _train(["--device", "cuda"], tmp_path) == 2
+    assert "--device cuda but torch sees no CUDA device; use --device cpu" in _error_line(capsys)
 
 
 def test_data_file_too_small_for_one_batch(tmp_path, capsys):
