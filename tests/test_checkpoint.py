@@ -1,8 +1,8 @@
 """aligndp.save / aligndp.load: reshard across dp sizes, bucket sizes and sharding modes (gloo).
 
-The world-size-2 cases write checkpoints into a directory shared by every process of this
-test session (``ALIGNDP_TEST_CKPT_DIR``, created by the pytest process, inherited by the
-spawned ranks); the world-size-1 and -3 cases run after them (``after=(2,)``) and read them.
+Cases write checkpoints into a directory shared by every process of this test session
+(``ALIGNDP_TEST_CKPT_DIR``, created by the pytest process, inherited by the spawned ranks) and
+cases at other world sizes read them: 4 -> 2 and 2 -> 1, 3, ordered with ``case(after=...)``.
 """
 from __future__ import annotations
 
@@ -60,7 +60,20 @@ def build(sharding: str, bucket_numel: int | None, dtype=torch.float32, **kwargs
     return aligndp.parallelize(make_net().to(dtype), sharding=sharding, lr=LR, bucket_numel=bucket_numel, **kwargs)
 
 
-# ---- world size 2: write ----
+# ---- world size 4 writes, world size 2 reads; world size 2 writes, 1 and 3 read ----
+
+@case(4)
+def case_save_at_four_ranks(rank, ws):
+    model, opt = build("zero1", bucket_numel=200)
+    train(model, opt, range(SAVED_AT))
+    aligndp.save(ckpt("zero1-dp4"), model, opt, step=SAVED_AT)
+
+
+@case(2, after=(4,))
+def case_resume_from_four_ranks(rank, ws):
+    resume_and_compare("zero1-dp4", "zero1", bucket_numel=300)
+    resume_and_compare("zero1-dp4", "none", bucket_numel=None)
+
 
 @case(2)
 def case_save_at_two_ranks(rank, ws):
