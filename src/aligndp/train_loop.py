@@ -232,7 +232,8 @@ def _train(config: TrainConfig) -> dict:
     progress.close()
     in_sync = _replicas_in_sync(job)
     summary = Summary(
-        steps=config.steps, start_step=start_step, dp_size=job.dp_size, train_loss=train_loss,
+        steps=config.steps, start_step=start_step, dp_size=job.dp_size,
+        vocab_size=PRESETS[config.preset].vocab_size, train_loss=train_loss,
         eval_loss=eval_loss, first_loss=metrics.first_loss,
         tokens_per_s=timed_tokens / timed_seconds if timed_seconds else float("nan"),
         replicas_in_sync=in_sync, peak_memory_bytes=_max_over_ranks(job, peak_memory_bytes(job.device)),

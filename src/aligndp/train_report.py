@@ -108,6 +108,8 @@ class Summary:
     steps: int
     start_step: int
     dp_size: int
+    vocab_size: int
+    """Tokens in the model's vocabulary (ln of it is the loss of a uniform guess)."""
     first_loss: float
     """Global-batch loss of the first step in metrics.jsonl (step 0, also after a resume)."""
     train_loss: float
@@ -133,7 +135,7 @@ class Summary:
         return [
             trained,
             f"loss {self.first_loss:.4f} -> {self.train_loss:.4f} (train), eval {self.eval_loss:.4f}"
-            f" (uniform over 256 bytes would be {math.log(256):.4f})",
+            f" (a uniform guess over {self.vocab_size:,} tokens: {math.log(self.vocab_size):.4f})",
             f"throughput {self.tokens_per_s:,.0f} tokens/s, peak memory {self.peak_memory_bytes / 2**20:,.1f} MiB per rank",
             f"grad buffers: {self.padding_numel:,} padding elements of {self.padded_numel:,} ({padding:.2f}%)",
             "replicas in sync: " + ("yes (identical param hashes on every rank)" if self.replicas_in_sync
