@@ -97,6 +97,20 @@ def test_bin_file_is_memory_mapped_uint16(tmp_path):
         data.check(seq_len=16, vocab_size=256)
 
 
+def test_token_ids_past_the_scanned_head_are_caught_by_the_batch(tmp_path, monkeypatch):
+    """check() scans only the head of a large file; a batch row with a bigger id still raises."""
+    monkeypatch.setattr("aligndp.data.VOCAB_SCAN_TOKENS", 100)
+    ids = np.full(2000, 7, dtype=np.uint16)
+    ids[1000:] = 300  # past the scanned head, too big for a byte vocabulary
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    data = TokenData.from_file(path)
+    data.check(seq_len=16, vocab_size=256)
+    spec = BatchSpec(batch_size=64, seq_len=16)
+    with pytest.raises(ValueError, match="token id 300 does not fit the model's vocab_size=256"):
+        data.batch(0, spec, seed=0)
+
+
 def test_text_file_is_byte_level(tmp_path):
     path = tmp_path / "poem.txt"
     text = "Tyger Tyger, burning bright, in the forests of the night; ünïcode too.\n" * 20

@@ -27,6 +27,9 @@ __all__ = ["BatchSpec", "Batch", "TokenData", "arithmetic_text"]
 
 Split = Literal["train", "eval"]
 
+VOCAB_SCAN_TOKENS = 1 << 26
+"""check() compares the first this many tokens (128 MiB of a .bin file) with the model's vocab."""
+
 SYNTHETIC_NAME = "synthetic arithmetic"
 SYNTHETIC_BYTES = 1 << 20
 """Size of the embedded corpus: 1 MiB of equations (about 110,000 of them)."""
@@ -123,6 +126,8 @@ class TokenData:
         self.tokens = tokens
         self.vocab_size = vocab_size
         self.name = name
+        self.model_vocab_size: int | None = None
+        """Set by :meth:`check`; then every batch checks that its token ids fit."""
         num_eval = max(1, int(len(tokens) * eval_fraction))
         self.splits: dict[str, np.ndarray] = {"train": tokens[: len(tokens) - num_eval], "eval": tokens[len(tokens) - num_eval :]}
 
@@ -161,7 +166,8 @@ class TokenData:
         return cls(np.frombuffer(data, dtype=np.uint8), vocab_size=256, name=path)
 
     def check(self, *, seq_len: int, vocab_size: int) -> None:
-        """Raise a ValueError unless every split holds one sequence and every token fits the vocab."""
+        """Raise a ValueError unless every split holds one sequence and the token ids fit ``vocab_size``
+        (the first :data:`VOCAB_SCAN_TOKENS` now, every batch's rows as they are read)."""
         for split, tokens in self.splits.items():
             if len(tokens) < seq_len + 1:
                 need = 10 * (seq_len + 1)  # the eval split is the last 10%
@@ -170,7 +176,13 @@ class TokenData:
                     f"seq_len + 1 = {seq_len + 1}; the file holds {len(self)} tokens, use one of at "
                     f"least {need} tokens (the eval split is the last 10%)"
                 )
-        largest = int(self.tokens.max())
+        # a whole scan of a multi-GB .bin file would take minutes on every rank: scan the head,
+        # and let every batch check its own rows (see batch())
+        head = self.tokens[:VOCAB_SCAN_TOKENS]
+        self._check_ids(int(head.max()), vocab_size)
+        self.model_vocab_size = vocab_size
+
+    def _check_ids(self, largest: int, vocab_size: int) -> None:
         if largest >= vocab_size:
             raise ValueError(
                 f"{self.name}: token id {largest} does not fit the model's vocab_size={vocab_size}; "
@@ -193,5 +205,7 @@ class TokenData:
         rows = spec.rows(rank, micro_batch)
         starts = offsets[rows.start : rows.stop].tolist()
         block = np.stack([tokens[o : o + spec.seq_len + 1] for o in starts])  # (rows, seq_len + 1)
+        if self.model_vocab_size is not None:
+            self._check_ids(int(block.max()), self.model_vocab_size)
         block = torch.from_numpy(block.astype(np.int64))
         return Batch(block[:, :-1], block[:, 1:])
