@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import sys
 import textwrap
 import typing
 import uuid
@@ -227,6 +228,14 @@ def train(config: TrainConfig) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    train(config_from_args(args))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        train(config_from_args(args))
+    except ChildFailedError as e:
+        # the failed rank's traceback is already printed above by the launcher
+        ranks = ", ".join(str(f.local_rank) for f in e.failures.values())
+        print(f"aligndp train: rank(s) {ranks} failed; their traceback is above", file=sys.stderr)
+        return 1
     return 0
 
