@@ -206,10 +206,13 @@ def _entries(model: DataParallel, view) -> dict[str, object]:
 
 
 def _other_tensors(model: DataParallel) -> dict[str, torch.Tensor]:
-    """The module's state that aligndp does not train (buffers, frozen params), as detached aliases."""
-    trained = {model.param_names[p] for p in model.param_names}
+    """The module's state that aligndp does not train (buffers, frozen params), as detached aliases.
+
+    A trained param reachable under a second name (tied weights) is saved once, as ``model.<name>``.
+    """
+    trained = {id(p) for p in model.param_names}
     return {n: t.detach() for n, t in model.module.state_dict(keep_vars=True).items()
-            if isinstance(t, torch.Tensor) and n not in trained}
+            if isinstance(t, torch.Tensor) and id(t) not in trained}
 
 
 def save(path: str | os.PathLike, model: DataParallel, optimizer=None, *, step: int = 0) -> None:
