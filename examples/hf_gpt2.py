@@ -52,7 +52,8 @@ def train_rank(steps: int, seed: int) -> dict:
         rank, dp_size = dist.get_rank(), dist.get_world_size()
         model, optimizer = aligndp.parallelize(build_model(seed), optimizer="adamw", lr=LR)
         hf = model.module
-        assert hf.lm_head.weight is hf.transformer.wte.weight, "parallelize untied the embeddings"
+        if hf.lm_head.weight is not hf.transformer.wte.weight:
+            raise RuntimeError("the head is no longer tied to the token embedding after parallelize()")
         data = TokenData.synthetic()
         spec = BatchSpec(BATCH_SIZE, SEQ_LEN, dp_size=dp_size)
         losses = []
