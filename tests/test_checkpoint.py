@@ -35,9 +35,16 @@ def ckpt(name: str) -> str:
     return os.path.join(ROOT, name)
 
 
+def lr_at(step: int) -> float:
+    """A schedule set through the wrapper's param_groups: a loaded optimizer must still obey it."""
+    return LR * (1 - step / (2 * TOTAL))
+
+
 def train(model, opt, steps: range) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     for step in steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
         loss_of(model, *batch(step, rank, ws)).backward()
         opt.step()
         opt.zero_grad()
@@ -50,6 +57,8 @@ def reference(steps: int) -> nn.Module:
     ref = make_net()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
         loss_of(ref, *batch(step)).backward()
         opt.step()
         opt.zero_grad()
