@@ -209,6 +209,34 @@ def case_lr_scheduler_and_clipping(rank, ws):
 
 
 @case(2)
+def case_lr_edits_reach_the_inner_optimizers_after_a_checkpoint_load(rank, ws):
+    """Regression: Optimizer.load_state_dict replaces an inner optimizer's group dicts; a
+    param_groups list captured at construction then pointed at dead dicts and an lr set
+    through opt.param_groups after a resume was silently ignored (seen as a resumed
+    `aligndp train` diverging from the uninterrupted run at the first step after resume)."""
+    import tempfile
+
+    for sharding in ("none", "zero1"):
+        model, opt = aligndp.parallelize(make_net(), lr=1e-2, sharding=sharding)
+        loss_of(model, *batch(0, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+        path = tempfile.gettempdir() + f"/aligndp_lr_regression_{sharding}"
+        obj = [path]
+        dist.broadcast_object_list(obj)
+        aligndp.save(obj[0], model, opt, step=1)
+        aligndp.load(obj[0], model, opt)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        assert all(g["lr"] == 0.0 for inner in opt.inner for g in inner.param_groups)
+        before = [p.detach().clone() for p in model.module.parameters()]
+        loss_of(model, *batch(1, rank, ws)).backward()
+        opt.step()
+        for (n, p), b in zip(model.module.named_parameters(), before):
+            assert torch.equal(p.detach(), b), f"{sharding}: {n} moved with lr=0 after a load"
+
+
+@case(2)
 def case_bf16_params_fp32_grad_buffer(rank, ws):
     net = make_net().to(torch.bfloat16)
     ours = DataParallel(net, config=DDPConfig(grad_dtype=torch.float32, bucket_numel=200))

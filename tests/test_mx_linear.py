@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from aligndp.buffer import aligned_empty
 from aligndp.fused import FusedWgradModule, fused_wgrad_modules
 from aligndp.models.gpt import GPT, GPTConfig, PRESETS
 from aligndp.mx import MXLinear, convert_to_mxfp8, dequantize_mxfp8, quantize_mxfp8
@@ -81,7 +82,8 @@ def test_fused_wgrad_accumulates_over_micro_batches(grad_dtype):
         mxl(xb).sin().sum().backward()
         expected += mxl.weight.grad
     mxl.weight.grad = mxl.bias.grad = None
-    buffer = torch.zeros(128 + 96 * 64 + 64, dtype=grad_dtype)
+    # as aligndp's buffers are: an aligned start address (fused kernels check addresses)
+    buffer = aligned_empty(128 + 96 * 64 + 64, dtype=grad_dtype, device=torch.device("cpu"), align_bytes=256)
     sink = RecordingSink({mxl.weight: buffer[128:128 + 96 * 64].view(96, 64)})
     mxl.bind_grad_sink(sink)
     for xb in batches:
@@ -111,7 +113,7 @@ def test_fp32_main_grad_for_bf16_weight():
     mxl(x).float().sum().backward()
     unfused = mxl.weight.grad.float()
     mxl.weight.grad = None
-    view = torch.zeros(96 * 64)
+    view = aligned_empty(96 * 64, dtype=torch.float32, device=torch.device("cpu"), align_bytes=256)
     mxl.bind_grad_sink(RecordingSink({mxl.weight: view.view(96, 64)}))
     mxl(x).float().sum().backward()
     assert mxl.weight.grad is None
@@ -206,3 +208,25 @@ def test_mxfp8_gpt_follows_fp32_loss_curve():
     assert ref[-1] < 0.5 * ref[0] and ours[-1] < 0.5 * ours[0]
     assert gap.max() < 0.1, gap.max()
     assert gap[0] < 0.02
+
+
+def test_aligned_view_at_an_unaligned_storage_offset_is_accepted():
+    """Regression: the check once measured the view's offset from its *storage* start, but
+    aligndp buffers start at an aligned address inside an over-allocated storage
+    (aligndp.buffer.aligned_empty), so `aligndp train --wgrad mxfp8` on 2 ranks was refused
+    with a false 'offset % 64' error whenever malloc returned a non-256-byte-aligned block.
+    The rule is on the address."""
+    _, mxl = make()
+    for attempt in range(200):  # a storage whose start is not 256-byte aligned (CPU malloc gives 64)
+        storage = torch.zeros(64 * 96 + 64 + attempt)
+        if storage.data_ptr() % 256:
+            break
+    else:
+        pytest.skip("the allocator returned only 256-byte aligned blocks")
+    skip = (-storage.data_ptr() % 256) // 4
+    assert skip % 64, "the view must start at a storage offset that is not a multiple of 64"
+    view = storage[skip:skip + 96 * 64].view(96, 64)
+    sink = RecordingSink({mxl.weight: view})
+    mxl.bind_grad_sink(sink)
+    mxl(torch.randn(32, 64)).sum().backward()
+    assert view.abs().sum() > 0, "the wgrad must have been accumulated into the aligned view"

@@ -49,8 +49,11 @@ def check_main_grad(main_grad: torch.Tensor, requirement: Requirement, *, shape:
     """Raise ``ValueError`` unless ``main_grad`` is a view a fused wgrad may write into.
 
     Checks, from the real pointers: the weight's ``shape``, contiguous, float32/bfloat16,
-    same device, start offset within its buffer a multiple of the requirement's alignment
-    (``data_ptr() - storage.data_ptr()``) and the address a multiple of ``byte_alignment``.
+    same device, and the address a multiple of the requirement's alignment in bytes
+    (``start_alignment(itemsize) * itemsize``) and of ``byte_alignment``. The rule is on the
+    address, not on the offset from the storage start: aligndp's buffers begin at an aligned
+    address inside an over-allocated storage (:func:`aligndp.buffer.aligned_empty`), so an
+    aligned view may sit at any storage offset; the offset is only quoted in the message.
     """
     if not isinstance(main_grad, torch.Tensor):
         raise TypeError(f"main_grad must be a tensor view of the grad buffer, got {type(main_grad).__name__}")
@@ -67,10 +70,11 @@ def check_main_grad(main_grad: torch.Tensor, requirement: Requirement, *, shape:
     address = main_grad.data_ptr()
     offset = (address - main_grad.untyped_storage().data_ptr()) // item
     align = requirement.start_alignment(item)
-    where = f"main_grad starts at element {offset} ({offset * item} B) of its buffer, address {address:#x}"
-    if offset % align:
-        raise ValueError(f"{where}: offset % {align} = {offset % align}; rule: {requirement.rule} needs "
-                         f"{align}-element starts; plan the layout with start_alignment={align}")
+    where = f"main_grad starts at element {offset} ({offset * item} B) of its storage, address {address:#x}"
+    if address % (align * item):
+        raise ValueError(f"{where}: address % {align * item} = {address % (align * item)}; rule: {requirement.rule} "
+                         f"needs {align}-element starts ({align * item} B aligned addresses); plan the layout with "
+                         f"start_alignment={align} and allocate the buffer with aligned_empty()")
     if address % byte_alignment:
         raise ValueError(f"{where}: address % {byte_alignment} = {address % byte_alignment}; rule: the wgrad "
                          f"kernel needs {byte_alignment}-byte aligned pointers; allocate the buffer with torch")

@@ -4,7 +4,10 @@ aligndp's optimizers drive one or more torch optimizers over buffer views and mu
 look like a single ``torch.optim.Optimizer`` to user code: ``step``/``zero_grad``,
 ``param_groups`` whose edits (lr schedulers) reach the inner optimizers, and ``state_dict``.
 ``param_groups`` is the concatenation of the inner optimizers' own group dicts — the same
-dict objects, so writing ``group["lr"]`` changes the inner optimizer directly.
+dict objects, so writing ``group["lr"]`` changes the inner optimizer directly. It is read
+afresh on every access: ``Optimizer.load_state_dict`` (a checkpoint load) replaces an inner
+optimizer's group dicts, and a list captured at construction would then point at dead dicts,
+so an lr scheduler's writes after a resume would be silently ignored.
 """
 from __future__ import annotations
 
@@ -47,13 +50,20 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self.model = model
         self.inner = inner
         self.defaults = dict(inner[0].defaults) if inner else {}
-        self.param_groups = [g for opt in inner for g in opt.param_groups]
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return [g for opt in self.inner for g in opt.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        raise AttributeError("param_groups belong to the inner torch optimizers; edit the group dicts instead")
 
     @property
     def state(self) -> dict:  # type: ignore[override]
