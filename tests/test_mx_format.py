@@ -190,7 +190,9 @@ def test_round_trip_error_bound():
 @given(
     rows=st.integers(1, 4),
     blocks=st.integers(1, 3),
-    exp_lo=st.integers(-100, 100),
+    # exp_lo + spread <= 125 keeps |randn| * 2**e finite: an infinity is where we differ from
+    # torchao on purpose (NaN scale, tested on its own), not a property of normal data
+    exp_lo=st.integers(-100, 95),
     spread=st.integers(0, 30),
     seed=st.integers(0, 2**31 - 1),
     e5m2=st.booleans(),
