@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -71,6 +72,37 @@ def test_one_rank_and_two_ranks_see_the_same_loss_curve(one_rank, two_ranks):
     assert one == pytest.approx(two, rel=1e-5)
     assert read_metrics(one_rank / "metrics.jsonl")[-1]["eval_loss"] == pytest.approx(
         read_metrics(two_ranks / "metrics.jsonl")[-1]["eval_loss"], rel=1e-5)
+
+
+def _interrupted_copy(run, out, *, checkpoint_step, last_logged_step):
+    """``out`` as a run of ``run`` killed after logging ``last_logged_step`` would leave it:
+    only the checkpoint at ``checkpoint_step`` and the metrics up to ``last_logged_step``."""
+    (out / "checkpoints").mkdir(parents=True)
+    name = f"step-{checkpoint_step:06d}"
+    shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[: last_logged_step + 1]))
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
+    """Killed at step 13 with its last checkpoint at step 10, the run resumes at step 10 and
+    logs the losses of the uninterrupted run: identical at the same dp size, and equal to fp32
+    summation order when resumed on 1 rank (the checkpoint is resharded)."""
+    assert sorted(os.listdir(two_ranks / "checkpoints")) == ["step-000010", "step-000020"]
+    _interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
+    micro = ["--micro-batches", "2"] if nproc == 2 else []
+    assert _train([*COMMON, *micro, "--nproc", str(nproc), "--resume"], tmp_path) == 0
+    expected = read_metrics(two_ranks / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(STEPS))
+    assert resumed[:10] == expected[:10]  # kept from before the checkpoint
+    losses, reference = [r["loss"] for r in resumed[10:]], [r["loss"] for r in expected[10:]]
+    if nproc == 2:
+        assert losses == reference
+    else:
+        assert losses == pytest.approx(reference, rel=1e-5)
+    assert json.loads((tmp_path / "summary.json").read_text())["start_step"] == 10
 
 
 def _error_line(capsys):
@@ -136,6 +168,14 @@ def test_sharded_muon_on_two_ranks_matches_one_process(tmp_path):
     assert two == pytest.approx(one, rel=1e-4)
     assert two[-1] < two[0] - 2.0
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["replicas_in_sync"] is True
+
+
+def test_mxfp8_wgrad_stays_close_to_fp32(one_rank, tmp_path):
+    """--wgrad mxfp8 swaps the hidden Linears for MXLinear (CPU reference backend): the curve
+    must differ from fp32 (the MX GEMMs are really used) but stay close (seen: 0.005 nats)."""
+    assert _train([*COMMON, "--wgrad", "mxfp8", "--nproc", "1"], tmp_path) == 0
+    gaps = [abs(a - b) for a, b in zip(_losses(tmp_path), _losses(one_rank))]
+    assert 1e-4 < max(gaps) < 0.03, gaps
 
 
 def test_engine_not_implemented_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
