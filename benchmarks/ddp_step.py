@@ -14,62 +14,20 @@ beat it, and rank 0's own figure would count a slower peer GPU as communication 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _bench import add_common_arguments, device_label, every_rank, init, log, timed
 from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.models.gpt import GPT, PRESETS
 
 
-def log(**kw) -> None:
-    if dist.get_rank() == 0:
-        print(json.dumps(kw), flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def slowest(seconds: float, device: torch.device) -> list[float]:
-    """Every rank's figure (a DDP step can be no faster than its slowest rank's local work)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [x.item() for x in out]
-
-
-def timed(fn, *, device: torch.device, iters: int, warmup: int, repeats: int = 3) -> float:
-    """Seconds per call of ``fn`` in steady state: ``iters`` calls back to back (as in training,
-    no barrier between steps), the median of ``repeats`` such runs."""
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        sync(device)
-        dist.barrier()
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync(device)
-        runs.append((time.perf_counter() - t) / iters)
-    return statistics.median(runs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    add_common_arguments(ap)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--buckets", default="10000000,40000000,100000000", help="aligndp bucket_numel values to try")
     ap.add_argument("--torch-bucket-mb", default="25,100")
     ap.add_argument("--max-ctas", default="", help="also try NCCL communicators capped at these CTA counts, e.g. 4,8")
@@ -78,16 +36,11 @@ def main() -> None:
     ap.add_argument("--no-comm", action="store_true", help="also time aligndp with collectives skipped (hook cost)")
     args = ap.parse_args()
 
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init(args.device)
+    cuda = device.type == "cuda"
     cfg = PRESETS[args.preset]
-    log(what="env", torch=torch.__version__, world_size=dist.get_world_size(),
-        device=torch.cuda.get_device_name() if cuda else "cpu", preset=args.preset, batch=args.batch,
-        seq_len=cfg.seq_len)
+    log(what="env", torch=torch.__version__, world_size=dist.get_world_size(), device=device_label(device),
+        preset=args.preset, batch=args.batch, seq_len=cfg.seq_len)
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -100,7 +53,7 @@ def main() -> None:
 
     model = make()
     nparams = sum(p.numel() for p in model.parameters())
-    per_rank = slowest(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
+    per_rank = every_rank(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
     # the baseline is the slowest rank's local fwd+bwd: ranks meet in every collective
     t_local = max(per_rank)
     log(what="local", params=nparams, fwdbwd_ms=t_local * 1e3, per_rank_ms=[x * 1e3 for x in per_rank])
@@ -147,7 +100,7 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     model = make()
-    again = slowest(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
+    again = every_rank(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
     log(what="local_again", per_rank_ms=[x * 1e3 for x in again])
     dist.destroy_process_group()
 

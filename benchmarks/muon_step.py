@@ -18,7 +18,6 @@ JSON lines on rank 0.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ import torch.nn as nn
 import aligndp
 from aligndp.models.gpt import GPT, PRESETS
 from aligndp.routing import route_params
-from ddp_step import log, sync, timed  # benchmarks/ is sys.path[0] when run as a script
+from _bench import add_common_arguments, device_label, init, log, timed
 
 
 class Matrices(nn.Module):
@@ -42,19 +41,11 @@ class Matrices(nn.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    add_common_arguments(ap)
     ap.add_argument("--bucket-numel", type=int, default=40_000_000)
     args = ap.parse_args()
 
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init(args.device)
     ws, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     with torch.device(device):
@@ -63,7 +54,7 @@ def main() -> None:
     matrices = {n: named[n] for n in route_params(gpt).muon}
     del gpt, named
     numel = sum(t.numel() for t in matrices.values())
-    log(what="env", torch=torch.__version__, world_size=ws, device=torch.cuda.get_device_name() if cuda else "cpu",
+    log(what="env", torch=torch.__version__, world_size=ws, device=device_label(device),
         preset=args.preset, matrices=len(matrices), numel=numel, dtype=str(dtype))
 
     # one GPU: torch's Muon over fp32 masters of every matrix, cast back into the params

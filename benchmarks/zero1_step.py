@@ -16,39 +16,14 @@ JSON lines on rank 0:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import aligndp
+from _bench import add_common_arguments, device_label, init, log, timed
 from aligndp.models.gpt import GPT, PRESETS
-
-
-def log(**kw) -> None:
-    if dist.get_rank() == 0:
-        print(json.dumps(kw), flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def per_step_seconds(step, *, device: torch.device, iters: int, warmup: int) -> float:
-    """Mean seconds per step over ``iters`` back-to-back steps (after ``warmup``), synced once."""
-    for _ in range(warmup):
-        step()
-    sync(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    sync(device)
-    return (time.perf_counter() - start) / iters
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -58,25 +33,18 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    add_common_arguments(ap)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU (of the preset's seq_len)")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bucket-numel", type=int, default=40_000_000)
     ap.add_argument("--grad-dtype", default="param", choices=["param", "fp32"],
                     help="aligndp gradient buffer dtype (torch DDP always reduces in the param dtype)")
     args = ap.parse_args()
 
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = init(args.device)
+    cuda = device.type == "cuda"
     cfg = PRESETS[args.preset]
     ws = dist.get_world_size()
-    log(what="env", torch=torch.__version__, world_size=ws, device=torch.cuda.get_device_name() if cuda else "cpu",
+    log(what="env", torch=torch.__version__, world_size=ws, device=device_label(device),
         preset=args.preset, batch=args.batch, seq_len=cfg.seq_len, dtype=str(dtype))
 
     def make() -> nn.Module:
@@ -96,7 +64,7 @@ def main() -> None:
         torch_opt.step()
         torch_opt.zero_grad(set_to_none=True)
 
-    t_torch = per_step_seconds(torch_step, device=device, iters=args.iters, warmup=args.warmup)
+    t_torch = timed(torch_step, device=device, iters=args.iters, warmup=args.warmup)
     torch_state = state_bytes(torch_opt)
     log(what="torch_ddp", params=nparams, step_ms=t_torch * 1e3, optimizer_state_bytes=torch_state)
     del ddp, torch_opt, model
@@ -115,7 +83,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-        t = per_step_seconds(zero1_step, device=device, iters=args.iters, warmup=args.warmup)
+        t = timed(zero1_step, device=device, iters=args.iters, warmup=args.warmup)
         best = t if best is None else min(best, t)
         log(what="zero1", overlap_param_gather=overlap_param_gather, bucket_numel=args.bucket_numel,
             buckets=sum(len(layout.buckets) for layout in ours.layouts), step_ms=t * 1e3, ratio=t / t_torch)
