@@ -190,6 +190,26 @@ def case_fewer_params_than_ranks(rank, ws):
 
 
 @case(2)
+def case_param_gather_runs_in_forward_order(rank, ws):
+    """The first module of the next forward must wait only for its own bucket: NCCL runs
+    gathers in launch order and layouts put the first layers in the *last* bucket, so the
+    gathers are launched in forward order, not bucket order."""
+    model, opt = aligndp.parallelize(make_net(), sharding="zero1", bucket_numel=200, overlap_param_gather=True)
+    layout = model.layouts[0]
+    assert len(layout.buckets) > 2
+    first_bucket = layout.param("emb.weight").bucket
+    assert first_bucket == len(layout.buckets) - 1, "reverse registration order puts emb last"
+    assert opt.gather.order[0] == (0, first_bucket)
+    assert [b for _, b in opt.gather.order] == sorted(range(len(layout.buckets)), reverse=True)
+    loss_of(model, *batch(0, rank, ws)).backward()
+    opt.step()
+    with torch.no_grad():
+        model.module.emb(batch(1, rank, ws)[0])  # the first module alone
+    assert opt.gather.in_flight == len(layout.buckets) - 1, "only emb's bucket may have been waited for"
+    opt.gather.wait_all()
+
+
+@case(2)
 def case_optimizer_state_is_sharded(rank, ws):
     model, opt = aligndp.parallelize(make_net(), sharding="zero1", lr=1e-2, bucket_numel=200)
     loss_of(model, *batch(0, rank, ws)).backward()

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligndp.buffer import FlatBuffer
-from aligndp.collectives import all_gather_shards, all_reduce_mean, reduce_scatter_mean
+from aligndp.collectives import all_reduce_mean, reduce_scatter_mean
 from aligndp.fused import fused_wgrad_modules
 from aligndp.layout import DEFAULT_START_ALIGNMENT, BufferLayout, Mode, ParamSpec, Requirement, plan_layout
 
@@ -280,20 +280,6 @@ class DataParallel(nn.Module):
         self._reset_step()
 
     # ---- params ----
-    def all_gather_params(self, *, async_op: bool = False) -> list[dist.Work]:
-        """All-gather every sharded buffer's params from their owners (after a sharded step)."""
-        works = []
-        for buf in self.flat_buffers:
-            if buf.param_data is None or self.dp_size == 1:
-                continue
-            for b in range(len(buf.layout.buckets)):
-                works.append(all_gather_shards(buf.bucket_param(b), group=self.process_group))
-        if not async_op:
-            for w in works:
-                w.wait()
-            return []
-        return works
-
     def _broadcast_from_rank0(self) -> None:
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         with torch.no_grad():

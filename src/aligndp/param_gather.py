@@ -55,8 +55,28 @@ class ParamGather:
         self.overlap = overlap
         self._pending: dict[BucketKey, dist.Work] = {}
         self._hooks = []
+        self.order = self._forward_order(module)
+        """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
         if overlap and self.dp_size > 1:
             self._install_hooks(module)
+
+    def _forward_order(self, module: nn.Module | None) -> list[BucketKey]:
+        """Buckets sorted by the earliest-registered param they hold.
+
+        Layouts put params in reverse registration order (≈ backward order), so the first
+        layers sit in the *last* bucket; gathering bucket 0 first would make the first module
+        of the next forward wait for every gather (NCCL runs collectives in launch order).
+        Without a module, each buffer's buckets are simply reversed.
+        """
+        keys = [(i, b) for i, buf in enumerate(self.buffers) for b in reversed(range(len(buf.layout.buckets)))]
+        if module is None:
+            return keys
+        position = {id(p): n for n, p in enumerate(module.parameters())}
+        first = {}
+        for i, buf in enumerate(self.buffers):
+            for p, s in zip(buf.params, buf.slots):
+                first[(i, s.bucket)] = min(first.get((i, s.bucket), len(position)), position.get(id(p), len(position)))
+        return sorted(keys, key=lambda k: (first.get(k, len(position)), keys.index(k)))
 
     def _bucket_of(self) -> dict[int, BucketKey]:
         """id(param) -> the bucket holding it."""
@@ -70,18 +90,21 @@ class ParamGather:
                 self._hooks.append(m.register_forward_pre_hook(lambda _m, _args, _keys=keys: self.wait(_keys)))
 
     def launch(self) -> None:
-        """Start the all-gather of every bucket, in buffer and bucket order (the same on every rank).
+        """Start the all-gather of every bucket in :attr:`order` (forward order).
 
         Waits for everything at once unless overlapping with the next forward.
         """
         self.wait_all()
-        if self.dp_size == 1:
-            return
-        for i, buf in enumerate(self.buffers):
-            for b in range(len(buf.layout.buckets)):
-                self._pending[(i, b)] = all_gather_shards(buf.bucket_param(b), group=self.group)
+        for key in self.order:
+            self.launch_bucket(key)
         if not self.overlap:
             self.wait_all()
+
+    def launch_bucket(self, key: BucketKey) -> None:
+        """Start one bucket's all-gather now (every rank must start the same buckets in the same order)."""
+        i, b = key
+        if self.dp_size > 1:
+            self._pending[key] = all_gather_shards(self.buffers[i].bucket_param(b), group=self.group)
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""

@@ -19,7 +19,6 @@ import torch
 
 from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
-from aligndp.collectives import all_gather_shards
 from aligndp.ddp import DataParallel
 from aligndp.layout import Mode
 from aligndp.optim.base import DataParallelOptimizer
@@ -114,18 +113,17 @@ class BucketGather(ParamGather):
         super().__init__(*args, **kwargs)
         self._launched: set[tuple[int, int]] = set()
 
-    def launch_bucket(self, buffer: FlatBuffer, bucket: int) -> None:
+    def launch_stepped(self, buffer: FlatBuffer, bucket: int) -> None:
+        """Start the gather of a bucket the optimizer has just stepped."""
         key = (next(i for i, b in enumerate(self.buffers) if b is buffer), bucket)
-        if self.dp_size > 1:
-            self._pending[key] = all_gather_shards(buffer.bucket_param(bucket), group=self.group)
+        self.launch_bucket(key)
         self._launched.add(key)
 
     def launch_rest(self) -> None:
-        """Start every bucket :meth:`launch_bucket` did not; wait for all unless overlapping the forward."""
-        for i, buf in enumerate(self.buffers):
-            for b in range(len(buf.layout.buckets)):
-                if (i, b) not in self._launched:
-                    self.launch_bucket(buf, b)
+        """Start every bucket not started yet, in forward order; wait for all unless overlapping the forward."""
+        for key in self.order:
+            if key not in self._launched:
+                self.launch_bucket(key)
         self._launched.clear()
         if not self.overlap:
             self.wait_all()
@@ -159,7 +157,7 @@ class CompositeOptimizer(DataParallelOptimizer):
                                    overlap=overlap_param_gather)
         for part in self.parts:
             if hasattr(part, "on_bucket_stepped"):  # layer-wise Muon: gather each bucket once it is stepped
-                part.on_bucket_stepped = self.gather.launch_bucket
+                part.on_bucket_stepped = self.gather.launch_stepped
 
     @torch.no_grad()
     def step(self, closure=None):
