@@ -30,8 +30,8 @@ def test_flags_are_pinned():
     layout_cli.add_arguments(parser)
     flags = {s for action in parser._actions for s in action.option_strings}
     assert flags == {
-        "-h", "--help", "--preset", "--shapes", "--dp", "--mode", "--wgrad", "--bucket-numel", "--dtype",
-        "--grad-dtype", "--start-alignment", "--json", "--png",
+        "-h", "--help", "--preset", "--shapes", "--dp", "--mode", "--optimizer", "--wgrad", "--bucket-numel",
+        "--dtype", "--grad-dtype", "--start-alignment", "--json", "--png",
     }
 
 
@@ -118,6 +118,7 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
         (["--shapes", "4", "--bucket-numel", "0"], r"--bucket-numel must be > 0.*leave it out"),
         (["--shapes", "4", "--start-alignment", "48"], r"power of two.*48"),
+        (["--shapes", "64x64", "--optimizer", "muon", "--mode", "sharded"], r"whole matrices.*--mode layerwise"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):
@@ -125,6 +126,31 @@ def test_bad_input_exits_2_with_a_message(capsys, argv, message):
     assert code == 2 and out == ""
     assert err.startswith("aligndp layout: error: ")
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("preset", ["gpt2-small", "tiny-odd"])
+def test_muon_layerwise_plans_what_zero1_muon_builds(capsys, preset):
+    """--optimizer muon --mode layerwise: the routed hidden matrices (tied head and embeddings
+    excluded) in one layer-wise buffer, every other param in a ZeRO-1 sharded buffer."""
+    code, out, _ = layout_main(capsys, "--preset", preset, "--dp", "4", "--mode", "layerwise",
+                               "--optimizer", "muon", "--json")
+    assert code == 0
+    buffers = {b["mode"]: {p["name"] for p in b["params"]} for b in json.loads(out)["buffers"]}
+    with torch.device("meta"):
+        model = GPT(PRESETS[preset])
+    hidden = {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
+    assert buffers["layerwise"] == hidden
+    assert buffers["sharded"] == {n for n, _ in model.named_parameters()} - hidden
+    code, out, _ = layout_main(capsys, "--preset", preset, "--dp", "4", "--optimizer", "muon", "--json")
+    (only,) = json.loads(out)["buffers"]
+    assert only["mode"] == "replicated", "sharding none with Muon: plain DDP buffers"
+
+
+def test_muon_on_bare_shapes_routes_the_2d_ones(capsys):
+    code, out, _ = layout_main(capsys, "--shapes", "96x64,64,64x96", "--dp", "2", "--mode", "layerwise",
+                               "--optimizer", "muon", "--json")
+    buffers = {b["mode"]: [p["name"] for p in b["params"]] for b in json.loads(out)["buffers"]}
+    assert sorted(buffers["layerwise"]) == ["p0", "p2"] and buffers["sharded"] == ["p1"]
 
 
 def test_unknown_choice_is_an_argparse_error(capsys):

@@ -312,7 +312,7 @@ def case_regression_mxfp8_wgrad_with_layerwise_muon_every_view_aligned(rank, ws)
 def case_hand_made_misaligned_layout_refused_naming_the_param(rank, ws):
     """No mode skips validation: a layout whose first param starts one element off is refused
     when ``parallelize`` builds the buffers, with an error naming that param."""
-    from aligndp import ddp
+    from aligndp import layout as layout_module
 
     for mode, optimizer, sharding in [(Mode.REPLICATED, "muon", "none"), (Mode.SHARDED, "muon", "zero1"),
                                       (Mode.LAYERWISE, "muon", "zero1")]:
@@ -324,7 +324,7 @@ def case_hand_made_misaligned_layout_refused_naming_the_param(rank, ws):
             shifted = dataclasses.replace(first, start=first.start + 1, end=first.end + 1)
             return dataclasses.replace(layout, params=(shifted,) + layout.params[1:])
 
-        with mock.patch.object(ddp, "plan_layout", misaligned):
+        with mock.patch.object(layout_module, "plan_layout", misaligned):  # what plan_buffers calls
             with pytest.raises(ValueError) as error:
                 aligndp.parallelize(make_net(HUGE), optimizer=optimizer, sharding=sharding, wgrad="mxfp8")
         message = str(error.value)

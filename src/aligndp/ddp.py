@@ -39,7 +39,7 @@ import torch.nn as nn
 from aligndp.buffer import FlatBuffer
 from aligndp.collectives import all_reduce_mean, reduce_scatter_mean
 from aligndp.fused import fused_wgrad_modules
-from aligndp.layout import DEFAULT_START_ALIGNMENT, BufferLayout, Mode, ParamSpec, Requirement, plan_layout
+from aligndp.layout import DEFAULT_START_ALIGNMENT, BufferLayout, Mode, ParamSpec, Requirement, plan_buffers
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef"]
 
@@ -131,18 +131,17 @@ class DataParallel(nn.Module):
         if config.broadcast_at_wrap and self.dp_size > 1:
             self._broadcast_from_rank0()
 
-        groups: dict[tuple[Mode, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
-        for n, p in named:
-            groups.setdefault((Mode.parse(modes.get(n, Mode.REPLICATED)), p.dtype), []).append((n, p))
-        self.flat_buffers: list[FlatBuffer] = []
-        for (mode, _), members in groups.items():
-            layout = plan_layout(
-                [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in members],
-                dp_size=self.dp_size, mode=mode, bucket_numel=config.bucket_numel,
-                requirements=self.requirements, start_alignment=config.start_alignment,
-                grad_dtype=config.grad_dtype,
-            )
-            self.flat_buffers.append(FlatBuffer(layout, [p for _, p in members], with_param_data=mode is not Mode.REPLICATED))
+        layouts = plan_buffers(
+            [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in named], modes=modes, dp_size=self.dp_size,
+            bucket_numel=config.bucket_numel, requirements=self.requirements,
+            start_alignment=config.start_alignment, grad_dtype=config.grad_dtype,
+        )
+        by_name = dict(named)
+        self.flat_buffers: list[FlatBuffer] = [
+            FlatBuffer(layout, [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
+                       with_param_data=layout.mode is not Mode.REPLICATED)
+            for layout in layouts
+        ]
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         # param -> (buffer index, bucket index, main_grad view)
         self._where: dict[nn.Parameter, tuple[int, int, torch.Tensor]] = {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -429,19 +429,28 @@ def plan_layout(
 def plan_buffers(
     specs: Sequence[ParamSpec],
     *,
+    mode: Mode | str = Mode.REPLICATED,
+    modes: Mapping[str, Mode | str] | None = None,
     grad_dtype: torch.dtype | None = None,
     **kwargs,
 ) -> list[BufferLayout]:
-    """One layout per param dtype (registration order kept within each), same settings for all.
+    """One layout per (mode, param dtype) group, registration order kept within each group.
 
-    ``grad_dtype`` None keeps each buffer's grads in its param dtype.
+    This is the plan :class:`~aligndp.ddp.DataParallel` builds its buffers from, so the
+    ``aligndp layout`` command shows exactly what a run allocates. ``modes`` maps param
+    names to their mode (others get ``mode``); ``grad_dtype`` None keeps each buffer's grads
+    in its param dtype; ``kwargs`` go to :func:`plan_layout` for every group.
     """
     if not specs:
         raise ValueError("no trainable params to lay out: the model has no params with requires_grad=True")
-    by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
+    modes = dict(modes or {})
+    unknown = set(modes) - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"modes name params that are not among the specs: {sorted(unknown)}")
+    groups: dict[tuple[Mode, torch.dtype], list[ParamSpec]] = {}
     for s in specs:
-        by_dtype.setdefault(s.dtype, []).append(s)
-    return [plan_layout(group, grad_dtype=grad_dtype, **kwargs) for group in by_dtype.values()]
+        groups.setdefault((Mode.parse(modes.get(s.name, mode)), s.dtype), []).append(s)
+    return [plan_layout(group, mode=m, grad_dtype=grad_dtype, **kwargs) for (m, _), group in groups.items()]
 
 
 def _fail(layout: BufferLayout, p: ParamSlot | None, what: str, rule: str, fix: str) -> None:

@@ -5,6 +5,11 @@ the shapes of its trainable params reach the planner. Use it to see what padding
 costs and where each param lands before a run, e.g.::
 
     python -m aligndp layout --preset 1b --dp 8 --mode layerwise --wgrad mxfp8 --png layout.png
+
+``--optimizer muon`` plans what ``parallelize(optimizer="muon", ...)`` builds: with
+``--mode layerwise`` (that is ``sharding="zero1"``) the Muon matrices go to a layer-wise
+buffer and everything else to a ZeRO-1 sharded buffer, through the same
+:func:`~aligndp.layout.plan_buffers` the data-parallel wrapper calls.
 """
 from __future__ import annotations
 
@@ -23,9 +28,10 @@ from aligndp.layout import (
 )
 from aligndp.recipes import WGRAD_RECIPES, wgrad_requirements
 
-__all__ = ["add_arguments", "run", "preset_specs", "parse_shapes", "LayoutOptions"]
+__all__ = ["add_arguments", "run", "preset_model", "preset_specs", "parse_shapes", "LayoutOptions"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+OPTIMIZERS = ("adamw", "muon")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.REPLICATED.value,
                         help="how buffers are reduced and owned (default replicated)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="muon: route hidden matrices to Muon as parallelize() does; with --mode layerwise "
+                             "they get the layer-wise buffer and the rest a sharded one (default adamw: every "
+                             "param in --mode)")
     parser.add_argument("--wgrad", choices=WGRAD_RECIPES, default="none",
                         help="fused wgrad recipe whose alignment requirement the layout must meet (default none)")
     parser.add_argument("--bucket-numel", type=int, default=None,
@@ -67,19 +77,40 @@ class LayoutOptions:
     """Grad buffer dtype; None: each buffer's param dtype."""
     start_alignment: int = DEFAULT_START_ALIGNMENT
     """Requested param start alignment (elements); the planner raises it to every requirement's."""
+    muon: tuple[str, ...] | None = None
+    """Names routed to Muon (``--optimizer muon``); None: no routing, every param in ``mode``."""
 
     def __post_init__(self) -> None:
+        if self.muon is not None and self.mode is Mode.SHARDED:
+            raise ValueError("Muon steps whole matrices, which ZeRO-1's slices cut apart: use --mode layerwise "
+                             "(sharding='zero1' with Muon) or --mode replicated (sharding='none')")
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
         if self.bucket_numel is not None and self.bucket_numel <= 0:
             raise ValueError(f"--bucket-numel must be > 0, got {self.bucket_numel}; leave it out for one bucket")
 
+    def modes(self) -> dict[str, Mode]:
+        """Per-param modes as parallelize() assigns them (empty: every param in ``mode``)."""
+        if self.muon is None or self.mode is not Mode.LAYERWISE:
+            return {}
+        return {s.name: Mode.LAYERWISE if s.name in self.muon else Mode.SHARDED for s in self.specs}
+
     def plan(self) -> list[BufferLayout]:
         return plan_buffers(
-            self.specs, dp_size=self.dp_size, mode=self.mode, bucket_numel=self.bucket_numel,
+            self.specs, mode=self.mode, modes=self.modes(), dp_size=self.dp_size, bucket_numel=self.bucket_numel,
             requirements=wgrad_requirements(self.wgrad), start_alignment=self.start_alignment,
             grad_dtype=self.grad_dtype,
         )
+
+
+def preset_model(name: str) -> torch.nn.Module:
+    """A GPT preset built on the meta device (no memory)."""
+    from aligndp.models.gpt import GPT, PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    with torch.device("meta"):
+        return GPT(PRESETS[name])
 
 
 def preset_specs(name: str, *, dtype: torch.dtype = torch.float32) -> list[ParamSpec]:
@@ -88,12 +119,7 @@ def preset_specs(name: str, *, dtype: torch.dtype = torch.float32) -> list[Param
     ``named_parameters`` yields a tied head once (under the embedding's name), exactly as the
     buffer will hold it.
     """
-    from aligndp.models.gpt import GPT, PRESETS
-
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-    with torch.device("meta"):
-        model = GPT(PRESETS[name])
+    model = preset_model(name)
     return [dataclasses.replace(s, dtype=dtype) for s in ParamSpec.from_named_parameters(model.named_parameters())]
 
 
@@ -117,10 +143,18 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
         raise ValueError(f"give exactly one of --preset or --shapes ({given} given), e.g. --preset gpt2-small")
     dtype = DTYPES[args.dtype]
     specs = preset_specs(args.preset, dtype=dtype) if args.preset else parse_shapes(args.shapes, dtype=dtype)
+    muon = None
+    if args.optimizer == "muon":
+        if args.preset:
+            from aligndp.routing import route_params
+
+            muon = route_params(preset_model(args.preset)).muon
+        else:  # bare shapes carry no module types: every 2-D shape is a hidden matrix
+            muon = tuple(s.name for s in specs if len(s.shape) == 2)
     return LayoutOptions(
         specs=tuple(specs), dp_size=args.dp, mode=Mode.parse(args.mode), wgrad=args.wgrad,
         bucket_numel=args.bucket_numel, grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None,
-        start_alignment=args.start_alignment,
+        start_alignment=args.start_alignment, muon=muon,
     )
 
 
