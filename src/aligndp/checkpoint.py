@@ -113,13 +113,9 @@ def model_space_to_torch_state(inner: torch.optim.Optimizer, names: list[str], s
         raise ValueError(f"the checkpoint has {len(saved)} optimizer param group(s) but this optimizer has "
                          f"{len(current)}: build the optimizer with the same groups as the run that saved it")
     groups = [{**cur, **{k: v for k, v in old.items() if k not in _IMPL_FLAGS}} for cur, old in zip(current, saved)]
-    live = inner.param_groups
+    # torch replaces the group dicts; aligndp's optimizers read ``inner.param_groups`` live
+    # (aligndp/optim/base.py), so lr schedulers keep reaching the loaded groups
     inner.load_state_dict({"state": state, "param_groups": groups})
-    # torch replaces param_groups with new dicts; wrappers (and their lr schedulers) hold the
-    # old ones, so copy the loaded values into those and put them back
-    for old, new in zip(live, inner.param_groups):
-        old.update(new)
-    inner.param_groups = live
 
 
 class _ReplicatedView:
