@@ -11,8 +11,8 @@ model space, and per-element tensors are stored flattened to 1-D with the param'
     buffers.<name>              the module's persistent non-param buffers
     aligndp.json                step, param shapes, dp_size of the writer (a sidecar file)
 
-An optimizer takes part through three methods (ShardedOptimizer has them; ReplicatedOptimizer
-gets them from an adapter here; layer-wise Muon adds its own):
+An optimizer takes part through three methods (ShardedOptimizer and CompositeOptimizer have
+them; a bare torch optimizer, or none, gets them from an adapter here):
 ``owned_range(name) -> (lo, hi)`` of the flattened param this rank holds values and state
 for; ``model_space_state_dict()`` -> ``{"param.<name>": FlatPiece, "state.<name>.<key>":
 FlatPiece | Tensor, "param_groups": [...]}``; ``load_model_space_state_dict(sd)`` (same

@@ -8,7 +8,7 @@ import torch.nn as nn
 from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.layout import DEFAULT_START_ALIGNMENT, Requirement
 from aligndp.optim.base import DataParallelOptimizer, resolve_optimizer_class
-from aligndp.optim.replicated import ReplicatedOptimizer
+from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart
 
 __all__ = ["parallelize", "SHARDINGS", "WGRAD_RECIPES"]
 
@@ -118,4 +118,4 @@ def parallelize(
     ddp = DataParallel(model, process_group=process_group, config=config, requirements=requirements)
     params = [p for n, p in model.named_parameters() if p.requires_grad]
     inner = opt_class(params, **optimizer_kwargs)
-    return ddp, ReplicatedOptimizer(ddp, inner, max_grad_norm=max_grad_norm)
+    return ddp, CompositeOptimizer(ddp, [ReplicatedPart(ddp, inner)], max_grad_norm=max_grad_norm)
