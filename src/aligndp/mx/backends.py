@@ -9,8 +9,10 @@ was given (its pointer, shape, dtype), so a misplanned buffer is a ``ValueError`
 the offset and the rule, never a kernel fault.
 
 - ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad.
-- ``triton`` (Hopper): MXFP8 quantise kernel and block-scaled fp8 GEMM accumulating in place.
-- ``fp8`` (Hopper): 1x128 blockwise FP8 (float32 scales), same kernels with 128-wide blocks.
+- ``triton`` (Hopper): MXFP8 quantise kernel, then an exact dequantise pass and a bf16-MMA
+  GEMM accumulating in place (Hopper has no MX MMA; see [Note: block-scaled GEMM]).
+- ``fp8`` (Hopper): 1x128 blockwise FP8 (float32 scales): TMA-pipelined fp8 GEMM promoting
+  each 128-wide K block into float32, accumulating in place.
 The GPU backends import Triton on first use only.
 """
 from __future__ import annotations

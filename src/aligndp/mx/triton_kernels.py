@@ -1,5 +1,5 @@
-"""Triton kernels for Hopper: one-pass row+column quantisation and a block-scaled fp8 GEMM
-that accumulates in place. Imported only by :mod:`aligndp.mx.triton_backend` (GPU only).
+"""Triton kernels for Hopper: one-pass row+column quantisation and block-scaled GEMMs
+(MXFP8, 1x128 fp8) that accumulate in place. Imported only by :mod:`aligndp.mx.triton_backend` (GPU only).
 
 [Note: operand layout]
 Every GEMM operand is a :class:`QuantizedOperand`: ``data`` (rows, K) fp8, K-major (what
@@ -12,12 +12,25 @@ so ``colwise.data == quantize_mxfp8(X, dim=0).data.T`` and ``colwise.scale_t ==
 quantize_mxfp8(X, dim=0).scale`` bit for bit (see tests/test_mx_gpu.py).
 
 [Note: block-scaled GEMM]
-C (+)= sum over K-blocks kb of dot(A[:, kb], B[:, kb]) * sa[kb, m] * sb[kb, n]: one fp8
-``tl.dot`` per scale block (K = 32 for MXFP8, 128 for the 1x128 fp8 recipe), its float32
-partial multiplied by the outer product of the two scale vectors and added into a float32
-accumulator; C is read and written once at the end. MX scale bytes become floats by an
-exponent shift; byte 0 (2**-127, blocks with amax < 2**-118) reads as 0 there, a documented
-deviation of < 2**-109 in absolute terms per element.
+Hopper has no MX matrix instruction, and its fp8 wgmma accumulates in float32 only inside
+one instruction, so a block-scaled fp8 GEMM must promote each K block's partial product into
+a float32 accumulator on the CUDA cores: ``acc += dot(A[:, kb], B[:, kb]) * sa[kb, m] *
+sb[kb, n]``. Two kernels, chosen by measurement on H200 (benchmarks/results/mx_kernels_*.md):
+
+- 1x128 fp8 (``mx=False``): exactly that, promoted once per 128-wide K block, C read and
+  written once by TMA at the end. On Hopper with M, N multiples of 128 it runs the Gluon
+  kernel of :mod:`aligndp.mx.gluon_kernels`, which keeps one wgmma in flight while the CUDA
+  cores promote ([Note: overlapped promotion]); elsewhere a plain-Triton kernel with every
+  operand and scale tile brought in by TMA, software-pipelined, which waits for each block's
+  wgmma before its promotion (the tensor cores idle then).
+- MXFP8 (``mx=True``): promoting every 32 elements of K costs more CUDA-core work than the
+  fp8 MMA saves (197 TFLOP/s measured). E4M3 times a power of two is exact in bfloat16, so
+  one memory-bound pass dequantises each operand to bfloat16 (bit-exact, scale byte 0 read
+  as 2**-127) and a pipelined bf16 wgmma GEMM accumulates in place in float32: the same
+  products summed in float32 as an MX GEMM, at 563+ TFLOP/s, for a transient bf16 copy of
+  both operands (2 bytes per element). The one inexact case: in blocks with amax < 2**-116
+  (scale bytes 0-2) the dequantised values round to bfloat16 subnormals (multiples of
+  2**-133), a deviation of at most 2**-134 per element.
 """
 from __future__ import annotations
 
@@ -26,8 +39,14 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["QuantizedOperand", "quantize_rows_and_columns", "scaled_gemm"]
+try:  # the overlapped 1x128 kernel needs Gluon's Hopper module (Triton 3.6)
+    from aligndp.mx import gluon_kernels as _gluon
+except ImportError:
+    _gluon = None
+
+__all__ = ["QuantizedOperand", "quantize_rows_and_columns", "scaled_gemm", "dequantize_operand"]
 
 
 class QuantizedOperand(NamedTuple):
@@ -128,74 +147,141 @@ def quantize_rows_and_columns(x: torch.Tensor, *, block: int = 32, mx: bool = Tr
     return row, col
 
 
-def _gemm_configs():
-    shapes = [(128, 128, 8, 4), (128, 128, 8, 6), (128, 256, 8, 3), (256, 128, 8, 3)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in shapes]
-
-
-@triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "SCALE_BLOCK", "ACCUMULATE"], restore_value=["c_ptr"])
 @triton.jit
-def _scaled_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K,
-                        SCALE_BLOCK: tl.constexpr, MX: tl.constexpr, ACCUMULATE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # grouped tile order so GROUP_M row tiles share B tiles in L2
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row tiles share their B tiles in L2."""
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    num_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
     first_m = group * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % group_rows
     pid_n = (pid % (GROUP_M * num_n)) // group_rows
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, SCALE_BLOCK)
-    a_ptrs = a_ptr + offs_m[:, None] * K + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[:, None] * K + offs_k[None, :]
-    # [Note: K-loop loads] Triton 3.6 stops software-pipelining this loop because of the scale
-    # loads (any non-operand load does), so operand tiles load synchronously: measured 144
-    # TFLOP/s (MXFP8) and 524 (1x128) on H200. Hoisting scales into per-chunk register tiles
-    # restored pipelining but the in-register row pick cost more (38 / 43 TFLOP/s); the fix is
-    # TMA descriptors or a warp-specialised kernel, not done yet.
-    sa_ptrs = sa_ptr + offs_m
-    sb_ptrs = sb_ptr + offs_n
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, M, N, K, ACCUMULATE: tl.constexpr,
+                           SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    off_m, off_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K // SCALE_BLOCK):
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
-        partial = tl.dot(a, tl.trans(b))
-        sa = tl.load(sa_ptrs)
-        sb = tl.load(sb_ptrs)
-        if MX:
-            sa = (sa.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            sb = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        acc += partial * (sa[:, None] * sb[None, :])
-        a_ptrs += SCALE_BLOCK
-        b_ptrs += SCALE_BLOCK
-        sa_ptrs += M
-        sb_ptrs += N
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + rows[:, None] * N + cols[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    for kb in tl.range(0, K // SCALE_BLOCK, num_stages=STAGES):
+        a = a_desc.load([off_m, kb * SCALE_BLOCK])
+        b = b_desc.load([off_n, kb * SCALE_BLOCK])
+        sa = tl.reshape(sa_desc.load([kb, off_m]), (BLOCK_M,))
+        sb = tl.reshape(sb_desc.load([kb, off_n]), (BLOCK_N,))
+        # two broadcasts, not one outer-product tile: keeps the kernel at ~175 registers
+        acc += (tl.dot(a, b.T) * sa[:, None]) * sb[None, :]
     if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+@triton.jit
+def _bf16_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+    off_m, off_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+        acc = tl.dot(a_desc.load([off_m, k * BLOCK_K]), b_desc.load([off_n, k * BLOCK_K]).T, acc)
+    if ACCUMULATE:
+        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+@triton.jit
+def _mx_dequant_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK: tl.constexpr, TILE_R: tl.constexpr,
+                       TILE_K: tl.constexpr):
+    """out (R, K) bf16 = data (R, K) fp8 * 2**(scale_t (K / BLOCK, R) - 127), exactly."""
+    NB: tl.constexpr = TILE_K // BLOCK
+    r = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)[:, None, None]
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
+    offs = r * K + kb * BLOCK + tl.arange(0, BLOCK)[None, None, :]
+    mask = (r < R) & (kb < K // BLOCK)
+    x = tl.load(data_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    byte = tl.load(scale_ptr + kb * R + r, mask=mask, other=127).to(tl.int32)
+    scale = tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)  # byte 0: 2**-127
+    tl.store(out_ptr + offs, (x * scale).to(tl.bfloat16), mask=mask)
+
+
+def dequantize_operand(op: QuantizedOperand, *, block: int = 32) -> torch.Tensor:
+    """An MXFP8 operand (E8M0 ``scale_t``) as a bfloat16 (rows, K) tensor, element for element
+    ``data * 2**(byte - 127)`` (exact but for the rounding noted in [Note: block-scaled GEMM])."""
+    rows, K = op.data.shape
+    out = torch.empty(rows, K, dtype=torch.bfloat16, device=op.data.device)
+    tile_r, tile_k = 32, 256
+    _mx_dequant_kernel[(triton.cdiv(rows, tile_r), triton.cdiv(K, tile_k))](
+        op.data, op.scale_t, out, rows, K, BLOCK=block, TILE_R=tile_r, TILE_K=tile_k, num_warps=4)
+    return out
+
+
+def _check_tma(t: torch.Tensor) -> None:
+    """TMA needs 16-byte aligned bases and row strides: check here, with the fix, rather than
+    fail inside the driver."""
+    row_bytes = t.stride(0) * t.element_size()
+    if t.data_ptr() % 16 or row_bytes % 16 or t.stride(-1) != 1:
+        raise ValueError(f"TMA operand of shape {tuple(t.shape)} and dtype {t.dtype} needs a 16-byte aligned "
+                         f"address (got {t.data_ptr():#x}) and 16-byte multiple row strides (got {row_bytes} B); "
+                         "pad the trailing dim or allocate it with torch")
+
+
+def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    _check_tma(t)
+    return TensorDescriptor.from_tensor(t, block_shape)
+
+
+# Configs measured on H200 at 8192^3 (benchmarks/results/mx_kernels_2026-11-30.md)
+_FP8_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, STAGES=3, num_warps=4)
+_BF16_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=4)
+
+
+def _use_gluon(impl: str, M: int, N: int, device: torch.device) -> bool:
+    """Whether the 1x128 GEMM runs the Gluon kernel (see :func:`scaled_gemm`'s ``impl``)."""
+    if impl not in ("auto", "gluon", "triton"):
+        raise ValueError(f"impl must be 'auto', 'gluon' or 'triton', got {impl!r}")
+    if impl == "triton":
+        return False
+    fits = _gluon is not None and torch.cuda.get_device_capability(device) == (9, 0)
+    fits = fits and M % _gluon.TILE == 0 and N % _gluon.TILE == 0
+    if impl == "gluon" and not fits:
+        raise ValueError(f"the Gluon kernel needs Triton's Gluon Hopper module (imported: {_gluon is not None}), "
+                         f"an sm_90 GPU and M, N multiples of 128 (got {M}, {N}); use impl='triton'")
+    return fits
 
 
 def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out: torch.Tensor, *, block: int = 32,
-                mx: bool = True, accumulate: bool = False) -> torch.Tensor:
+                mx: bool = True, accumulate: bool = False, impl: str = "auto") -> torch.Tensor:
     """``out (+)= A @ B.T`` for quantised A (M, K), B (N, K); see [Note: block-scaled GEMM].
 
-    ``out`` is (M, N), contiguous, float32 or bfloat16, e.g. a main_grad view; with
-    ``accumulate`` it is read and added to in place, else overwritten.
+    ``out`` is (M, N), contiguous, float32 or bfloat16, 16-byte aligned with 16-byte rows (e.g.
+    a main_grad view of an aligndp buffer); with ``accumulate`` it is read and added to in
+    place, else overwritten. ``impl`` picks the 1x128 kernel: ``auto`` (Gluon where it runs),
+    ``gluon`` or ``triton``.
     """
     (M, K), (N, K_b) = a.data.shape, b.data.shape
     if K != K_b or K % block:
         raise ValueError(f"GEMM operands contract over {K} and {K_b}; both must be equal multiples of {block}")
     if tuple(out.shape) != (M, N) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({M}, {N}) tensor, got {tuple(out.shape)} strides {out.stride()}")
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _scaled_gemm_kernel[grid](a.data, a.scale_t, b.data, b.scale_t, out, M, N, K,
-                              SCALE_BLOCK=block, MX=mx, ACCUMULATE=accumulate)
+    if mx:
+        a16, b16 = dequantize_operand(a, block=block), dequantize_operand(b, block=block)
+        cfg = dict(_BF16_TILE)
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        _bf16_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            _descriptor(a16, [bm, bk]), _descriptor(b16, [bn, bk]), _descriptor(out, [bm, bn]), M, N, K,
+            ACCUMULATE=accumulate, num_stages=cfg["STAGES"], **cfg)
+        return out
+    if block != 128:
+        raise ValueError(f"the float32-scaled fp8 recipe runs 1x128 blocks, got block={block}")
+    if _use_gluon(impl, M, N, out.device):
+        for t in (a.data, a.scale_t, b.data, b.scale_t, out):
+            _check_tma(t)
+        return _gluon.fp8_block_gemm(a.data, a.scale_t, b.data, b.scale_t, out, accumulate=accumulate)
+    cfg = dict(_FP8_TILE)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    _fp8_block_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        _descriptor(a.data, [bm, block]), _descriptor(a.scale_t, [1, bm]), _descriptor(b.data, [bn, block]),
+        _descriptor(b.scale_t, [1, bn]), _descriptor(out, [bm, bn]), M, N, K, ACCUMULATE=accumulate,
+        SCALE_BLOCK=block, num_stages=cfg["STAGES"], **cfg)
     return out
