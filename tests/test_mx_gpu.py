@@ -16,21 +16,54 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.parametrize("impl", ["gluon", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_quantize_kernel_is_bit_exact_with_format(dtype):
+@pytest.mark.parametrize("shape", [(320, 192), (2048, 512)])  # masked edge tiles; whole tiles only
+def test_quantize_kernel_is_bit_exact_with_format(impl, dtype, shape):
     from aligndp.mx.triton_kernels import quantize_rows_and_columns
 
     g = torch.Generator(device=DEV).manual_seed(0)
-    x = (torch.randn(320, 192, generator=g, device=DEV) * torch.exp2(torch.randint(-20, 20, (320, 1), device=DEV))).to(dtype)
+    rows, cols = shape
+    x = (torch.randn(rows, cols, generator=g, device=DEV)
+         * torch.exp2(torch.randint(-20, 20, (rows, 1), device=DEV))).to(dtype)
     x[0, :32] = 0.0
     x[40, 7] = float("nan")
+    x[41, 70] = float("inf")
     x[100:132, 64] = 1e-30  # tiny blocks in the column direction
-    row, col = quantize_rows_and_columns(x)
+    row, col = quantize_rows_and_columns(x, impl=impl)
     ref_row, ref_col = quantize_mxfp8(x, dim=-1), quantize_mxfp8(x, dim=0)
     assert torch.equal(row.data.view(torch.uint8), ref_row.data.view(torch.uint8))
     assert torch.equal(row.scale_t, ref_row.scale.view(torch.uint8).T)
     assert torch.equal(col.data.view(torch.uint8), ref_col.data.view(torch.uint8).T)
     assert torch.equal(col.scale_t, ref_col.scale.view(torch.uint8))
+    only_row, none = quantize_rows_and_columns(x, colwise=False, impl=impl)
+    none2, only_col = quantize_rows_and_columns(x, rowwise=False, impl=impl)
+    assert none is None and none2 is None
+    assert torch.equal(only_row.data.view(torch.uint8), row.data.view(torch.uint8))
+    assert torch.equal(only_col.scale_t, col.scale_t)
+
+
+def test_fp8_1x128_quantise_kernels_agree_with_torch():
+    """The 1x128 fp8 recipe (scale amax / 448, data x * (448 / amax) rounded to nearest even):
+    Gluon and plain-Triton kernels equal each other bit for bit and a torch reference."""
+    from aligndp.mx.triton_kernels import quantize_rows_and_columns
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x = torch.randn(640, 384, generator=g, device=DEV, dtype=torch.bfloat16) * 7
+    x[:128, 5] = 0.0  # an all-zero column block: scale 1, data 0
+    outs = [quantize_rows_and_columns(x, block=128, mx=False, impl=impl) for impl in ("gluon", "triton")]
+    for (row, col), (row2, col2) in [outs]:
+        assert torch.equal(row.data.view(torch.uint8), row2.data.view(torch.uint8)) and torch.equal(row.scale_t, row2.scale_t)
+        assert torch.equal(col.data.view(torch.uint8), col2.data.view(torch.uint8)) and torch.equal(col.scale_t, col2.scale_t)
+    row, col = outs[0]
+    blocks = x.float().view(640, 3, 128)
+    amax = blocks.abs().amax(-1)
+    fp8_max = torch.full_like(amax, 448.0)
+    safe = torch.where(amax > 0, amax, fp8_max)
+    assert torch.equal(row.scale_t, (safe / fp8_max).T)  # tensor / tensor: correctly rounded, like div_rn
+    data = (blocks * (fp8_max / safe)[..., None]).to(torch.float8_e4m3fn)
+    assert torch.equal(row.data.view(torch.uint8).view(640, 3, 128), data.view(torch.uint8))
+    assert (col.scale_t > 0).all() and col.scale_t[0, 5] == 1.0
 
 
 @pytest.mark.parametrize("backend", ["triton", "fp8"])
@@ -121,13 +154,15 @@ def test_fp8_block_gemm_kernels_match_float64(impl, out_dtype, accumulate):
     from aligndp.mx.triton_kernels import QuantizedOperand, scaled_gemm
 
     g = torch.Generator(device=DEV).manual_seed(4)
+
+    def operand(rows, K):
+        data = torch.randn(rows, K, generator=g, device=DEV).to(torch.float8_e4m3fn)
+        scale = torch.exp2(torch.randint(-10, 11, (K // 128, rows), generator=g, device=DEV).float())
+        deq = data.double() * scale.double().T.repeat_interleave(128, dim=1)
+        return QuantizedOperand(data, scale), deq
+
     for M, N, K in ((384, 640, 1152), (256, 128, 1024), (2048, 1152, 256)):
-        def operand(rows):
-            data = torch.randn(rows, K, generator=g, device=DEV).to(torch.float8_e4m3fn)
-            scale = torch.exp2(torch.randint(-10, 11, (K // 128, rows), generator=g, device=DEV).float())
-            deq = data.double() * scale.double().T.repeat_interleave(128, dim=1)
-            return QuantizedOperand(data, scale), deq
-        (a, da), (b, db) = operand(M), operand(N)
+        (a, da), (b, db) = operand(M, K), operand(N, K)
         start = torch.randn(M, N, generator=g, device=DEV).to(out_dtype)
         out = scaled_gemm(a, b, start.clone(), block=128, mx=False, accumulate=accumulate, impl=impl)
         exact = da @ db.T + (start.double() if accumulate else 0)

@@ -1,5 +1,7 @@
 """Triton kernels for Hopper: one-pass row+column quantisation and block-scaled GEMMs
 (MXFP8, 1x128 fp8) that accumulate in place. Imported only by :mod:`aligndp.mx.triton_backend` (GPU only).
+Where Triton's Gluon runs (sm_90, Triton 3.6) the quantise and the 1x128 GEMM run the faster
+kernels of :mod:`aligndp.mx.gluon_kernels`; the plain-Triton kernels here are their fallback.
 
 [Note: operand layout]
 Every GEMM operand is a :class:`QuantizedOperand`: ``data`` (rows, K) fp8, K-major (what
@@ -34,6 +36,7 @@ sb[kb, n]``. Two kernels, chosen by measurement on H200 (benchmarks/results/mx_k
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -41,10 +44,20 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-try:  # the overlapped 1x128 kernel needs Gluon's Hopper module (Triton 3.6)
+try:  # the faster kernels need Gluon's Hopper module (Triton 3.6)
     from aligndp.mx import gluon_kernels as _gluon
 except ImportError:
     _gluon = None
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    """Hopper, where the Gluon kernels (wgmma, setmaxnreg) run; cached: it is asked per call."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 __all__ = ["QuantizedOperand", "quantize_rows_and_columns", "scaled_gemm", "dequantize_operand"]
 
@@ -118,16 +131,28 @@ _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 8, 448.0), torch.float8_e5m2: (tl.f
 
 def quantize_rows_and_columns(x: torch.Tensor, *, block: int = 32, mx: bool = True,
                               elem_dtype: torch.dtype = torch.float8_e4m3fn, rowwise: bool = True,
-                              colwise: bool = True, tile: int = 64) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
+                              colwise: bool = True, impl: str = "auto",
+                              tile: int = 64) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """Row-wise and/or column-wise quantisation of a 2-D CUDA tensor in one read.
 
     ``mx``: E8M0 power-of-two scales by the OCP FLOOR rule (MXFP8); else float32 scales
-    ``amax / fp8_max`` (the 1x``block`` fp8 recipe). Both dims must be multiples of ``block``;
-    ``tile`` (a multiple of ``block``) is the square tile one program reads.
+    ``amax / fp8_max`` (the 1x``block`` fp8 recipe). Both dims must be multiples of ``block``.
+    ``impl``: ``auto`` runs the Gluon kernel ([Note: quantise layout]) on sm_90 for blocks of
+    32 and 128 and the plain-Triton one elsewhere; ``gluon`` / ``triton`` force one. ``tile``
+    (a multiple of ``block``) is the square tile of the plain-Triton kernel.
     """
     if x.ndim != 2 or not x.is_cuda or x.shape[0] % block or x.shape[1] % block:
         raise ValueError(f"expected a 2-D CUDA tensor with both dims multiples of {block}, got "
                          f"{tuple(x.shape)} on {x.device}; zero-pad it first")
+    if x.numel() >= 2 ** 31:
+        raise ValueError(f"{tuple(x.shape)} has {x.numel()} elements; the kernels index with 32 bits, so "
+                         "quantise it in pieces of fewer than 2**31 elements")
+    if impl not in ("auto", "gluon", "triton"):
+        raise ValueError(f"impl must be 'auto', 'gluon' or 'triton', got {impl!r}")
+    gluon_fits = _gluon is not None and block in (32, 128) and _is_sm90(_device_index(x))
+    if impl == "gluon" and not gluon_fits:
+        raise ValueError(f"the Gluon quantise kernel needs Triton's Gluon (imported: {_gluon is not None}), an "
+                         f"sm_90 GPU and block 32 or 128 (got {block}); use impl='triton'")
     x = x.contiguous()
     M, N = x.shape
     out, emax, fp8_max = _FP8[elem_dtype]
@@ -136,6 +161,9 @@ def quantize_rows_and_columns(x: torch.Tensor, *, block: int = 32, mx: bool = Tr
                            torch.empty(N // block, M, dtype=scale_dtype, device=x.device)) if rowwise else None
     col = QuantizedOperand(torch.empty(N, M, dtype=elem_dtype, device=x.device),
                            torch.empty(M // block, N, dtype=scale_dtype, device=x.device)) if colwise else None
+    if gluon_fits and impl != "triton":
+        _gluon.quantize(x, row, col, block=block, mx=mx, out=out, emax=emax, fp8_max=fp8_max)
+        return row, col
     tile = max(block, tile)
     dummy = x.new_empty(0)
     grid = (triton.cdiv(M, tile), triton.cdiv(N, tile))
@@ -236,13 +264,13 @@ _FP8_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, STAGES=3, num_warps=4)
 _BF16_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=4)
 
 
-def _use_gluon(impl: str, M: int, N: int, device: torch.device) -> bool:
+def _use_gluon(impl: str, M: int, N: int, out: torch.Tensor) -> bool:
     """Whether the 1x128 GEMM runs the Gluon kernel (see :func:`scaled_gemm`'s ``impl``)."""
     if impl not in ("auto", "gluon", "triton"):
         raise ValueError(f"impl must be 'auto', 'gluon' or 'triton', got {impl!r}")
     if impl == "triton":
         return False
-    fits = _gluon is not None and torch.cuda.get_device_capability(device) == (9, 0)
+    fits = _gluon is not None and _is_sm90(_device_index(out))
     fits = fits and M % _gluon.TILE == 0 and N % _gluon.TILE == 0
     if impl == "gluon" and not fits:
         raise ValueError(f"the Gluon kernel needs Triton's Gluon Hopper module (imported: {_gluon is not None}), "
@@ -274,7 +302,7 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out: torch.Tensor, *, 
         return out
     if block != 128:
         raise ValueError(f"the float32-scaled fp8 recipe runs 1x128 blocks, got block={block}")
-    if _use_gluon(impl, M, N, out.device):
+    if _use_gluon(impl, M, N, out):
         for t in (a.data, a.scale_t, b.data, b.scale_t, out):
             _check_tma(t)
         return _gluon.fp8_block_gemm(a.data, a.scale_t, b.data, b.scale_t, out, accumulate=accumulate)
