@@ -29,7 +29,7 @@ sb[kb, n]``. Two kernels, chosen by measurement on H200 (benchmarks/results/mx_k
   fp8 MMA saves (197 TFLOP/s measured). E4M3 times a power of two is exact in bfloat16, so
   one memory-bound pass dequantises each operand to bfloat16 (bit-exact, scale byte 0 read
   as 2**-127) and a pipelined bf16 wgmma GEMM accumulates in place in float32: the same
-  products summed in float32 as an MX GEMM, at 563+ TFLOP/s, for a transient bf16 copy of
+  products summed in float32 as an MX GEMM, at about 600 TFLOP/s, for a transient bf16 copy of
   both operands (2 bytes per element). The one inexact case: in blocks with amax < 2**-116
   (scale bytes 0-2) the dequantised values round to bfloat16 subnormals (multiples of
   2**-133), a deviation of at most 2**-134 per element.
@@ -44,9 +44,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+__all__ = ["QuantizedOperand", "dequantize_operand", "quantize_rows_and_columns", "scaled_gemm"]
+
 try:  # the faster kernels need Gluon's Hopper module (Triton 3.6)
     from aligndp.mx import gluon_kernels as _gluon
-except ImportError:
+except (ImportError, AttributeError):  # no Gluon, or one whose API moved
     _gluon = None
 
 
@@ -58,8 +60,6 @@ def _is_sm90(device_index: int) -> bool:
 
 def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-__all__ = ["QuantizedOperand", "quantize_rows_and_columns", "scaled_gemm", "dequantize_operand"]
 
 
 class QuantizedOperand(NamedTuple):
