@@ -37,6 +37,8 @@ Measured on H200 (benchmarks/results/mx_kernels_2026-11-30.md).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -202,7 +204,16 @@ def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, M, N, K, AC
 
 
 _GL_DTYPE = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16}
-_NUM_SMS: dict[int, int] = {}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(t: torch.Tensor) -> int:
+    """Multiprocessors of ``t``'s GPU: the persistent grids' size."""
+    return _num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def fp8_block_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, *,
@@ -226,10 +237,7 @@ def fp8_block_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch
         desc(sb, K // SCALE_BLOCK, N, [1, TILE], s_layout),
         desc(out, M, N, [TILE, TILE], gl.NVMMASharedLayout.get_default_for([TILE, TILE], _GL_DTYPE[out.dtype])),
     )
-    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    if device not in _NUM_SMS:
-        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    grid = (min((M // TILE) * (N // TILE), _NUM_SMS[device]),)
+    grid = (min((M // TILE) * (N // TILE), _sm_count(out)),)
     # 8 consumer warps + 1 producer warp; the producer gives its registers to the consumers
     _fp8_block_gemm_kernel[grid](*descs, M, N, K, accumulate, group_m, stages, 40, num_warps=8, maxnreg=168)
     return out
@@ -418,10 +426,7 @@ def quantize(x: torch.Tensor, row, col, *, block: int, mx: bool, out, emax: int,
     tiles = triton.cdiv(M, tile_m) * triton.cdiv(N, tile_n)
     persistent = _PERSISTENT[block]
     if persistent:
-        device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if device not in _NUM_SMS:
-            _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        grid = (min(tiles, persistent * _NUM_SMS[device]),)
+        grid = (min(tiles, persistent * _sm_count(x)),)
     else:
         grid = (tiles,)
     _quantize_kernel[grid](

@@ -147,12 +147,7 @@ def quantize_rows_and_columns(x: torch.Tensor, *, block: int = 32, mx: bool = Tr
     if x.numel() >= 2 ** 31:
         raise ValueError(f"{tuple(x.shape)} has {x.numel()} elements; the kernels index with 32 bits, so "
                          "quantise it in pieces of fewer than 2**31 elements")
-    if impl not in ("auto", "gluon", "triton"):
-        raise ValueError(f"impl must be 'auto', 'gluon' or 'triton', got {impl!r}")
-    gluon_fits = _gluon is not None and block in (32, 128) and _is_sm90(_device_index(x))
-    if impl == "gluon" and not gluon_fits:
-        raise ValueError(f"the Gluon quantise kernel needs Triton's Gluon (imported: {_gluon is not None}), an "
-                         f"sm_90 GPU and block 32 or 128 (got {block}); use impl='triton'")
+    use_gluon = _use_gluon(impl, x, shape_fits=block in (32, 128), shape_rule=f"block 32 or 128 (got {block})")
     x = x.contiguous()
     M, N = x.shape
     out, emax, fp8_max = _FP8[elem_dtype]
@@ -161,7 +156,7 @@ def quantize_rows_and_columns(x: torch.Tensor, *, block: int = 32, mx: bool = Tr
                            torch.empty(N // block, M, dtype=scale_dtype, device=x.device)) if rowwise else None
     col = QuantizedOperand(torch.empty(N, M, dtype=elem_dtype, device=x.device),
                            torch.empty(M // block, N, dtype=scale_dtype, device=x.device)) if colwise else None
-    if gluon_fits and impl != "triton":
+    if use_gluon:
         _gluon.quantize(x, row, col, block=block, mx=mx, out=out, emax=emax, fp8_max=fp8_max)
         return row, col
     tile = max(block, tile)
@@ -264,17 +259,17 @@ _FP8_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, STAGES=3, num_warps=4)
 _BF16_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=4)
 
 
-def _use_gluon(impl: str, M: int, N: int, out: torch.Tensor) -> bool:
-    """Whether the 1x128 GEMM runs the Gluon kernel (see :func:`scaled_gemm`'s ``impl``)."""
+def _use_gluon(impl: str, t: torch.Tensor, *, shape_fits: bool, shape_rule: str) -> bool:
+    """Whether a call runs its Gluon kernel: ``impl`` is ``auto`` (where it runs: Gluon
+    imported, an sm_90 GPU, ``shape_fits``), ``gluon`` (there, else ``ValueError``) or ``triton``."""
     if impl not in ("auto", "gluon", "triton"):
         raise ValueError(f"impl must be 'auto', 'gluon' or 'triton', got {impl!r}")
     if impl == "triton":
         return False
-    fits = _gluon is not None and _is_sm90(_device_index(out))
-    fits = fits and M % _gluon.TILE == 0 and N % _gluon.TILE == 0
+    fits = _gluon is not None and shape_fits and _is_sm90(_device_index(t))
     if impl == "gluon" and not fits:
         raise ValueError(f"the Gluon kernel needs Triton's Gluon Hopper module (imported: {_gluon is not None}), "
-                         f"an sm_90 GPU and M, N multiples of 128 (got {M}, {N}); use impl='triton'")
+                         f"an sm_90 GPU and {shape_rule}; use impl='triton'")
     return fits
 
 
@@ -302,7 +297,8 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out: torch.Tensor, *, 
         return out
     if block != 128:
         raise ValueError(f"the float32-scaled fp8 recipe runs 1x128 blocks, got block={block}")
-    if _use_gluon(impl, M, N, out):
+    if _use_gluon(impl, out, shape_fits=_gluon is not None and M % _gluon.TILE == 0 and N % _gluon.TILE == 0,
+                  shape_rule=f"M, N multiples of 128 (got {M}, {N})"):
         for t in (a.data, a.scale_t, b.data, b.scale_t, out):
             _check_tma(t)
         return _gluon.fp8_block_gemm(a.data, a.scale_t, b.data, b.scale_t, out, accumulate=accumulate)
