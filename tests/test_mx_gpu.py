@@ -109,11 +109,79 @@ def test_mxlinear_on_gpu_matches_reference_backend(backend):
     xr = x.detach().clone().requires_grad_()
     y, y_ref = ours(x), ref(xr)
     y.float().sin().sum().backward()
-    wg = lin.weight.grad.clone()
-    lin.weight.grad = None
+    wg, bg = lin.weight.grad.clone(), lin.bias.grad.clone()
+    lin.weight.grad = lin.bias.grad = None
     y_ref.float().sin().sum().backward()
     bound = 2e-2 if backend == "triton" else 0.08  # bf16 outputs vs the MX reference; fp8 is another recipe
     assert rel_err(y, y_ref) < bound and rel_err(x.grad, xr.grad) < bound and rel_err(wg, lin.weight.grad) < bound
+    assert rel_err(bg, lin.bias.grad) < bound  # the GPU backends add the bias in the GEMM epilogue
+
+
+@pytest.mark.parametrize("mx,impl", [(True, "auto"), (False, "gluon"), (False, "triton")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_bias_epilogue(mx, impl, accumulate):
+    """``scaled_gemm(bias=...)`` adds the bias to every row in float32 before the store, in all
+    three GEMM kernels; a bias shorter than N (a padded output) reads as zeros past its end."""
+    from aligndp.mx.triton_kernels import dequantize_operand, quantize_rows_and_columns, scaled_gemm
+
+    g = torch.Generator(device=DEV).manual_seed(6)
+    block = 32 if mx else 128
+    x = torch.randn(256, 384, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(384, 384, generator=g, device=DEV, dtype=torch.bfloat16)
+    a, b = quantize_rows_and_columns(x, block=block, mx=mx)[0], quantize_rows_and_columns(w, block=block, mx=mx)[0]
+    bias = torch.randn(300, generator=g, device=DEV)
+    start = torch.randn(256, 384, generator=g, device=DEV)
+    out = scaled_gemm(a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, bias=bias, impl=impl)
+    plain = scaled_gemm(a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, impl=impl)
+    padded = torch.cat([bias, bias.new_zeros(84)])
+    assert rel_err(out, plain + padded) < 1e-6
+    if mx:  # and the product itself, against the dequantised operands
+        exact = dequantize_operand(a).double() @ dequantize_operand(b).double().T + padded.double()
+        assert rel_err(out, exact + (start.double() if accumulate else 0)) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["triton", "fp8"])
+@pytest.mark.parametrize("out_features", [384, 96])  # 96: padded to the fp8 block, so no in-place kernel
+def test_mxlinear_fused_wgrad_on_gpu_equals_unfused(backend, out_features):
+    """MXLinear's GPU path quantises x, the weight and grad_out once each (rows and columns in
+    one pass) and keeps x as fp8 for backward. Over two micro-batches of 200 tokens (not a
+    block multiple), the wgrad accumulated into a main_grad view must equal the sum of the
+    unfused wgrads, and grad_x must not depend on whether the wgrad is fused."""
+    from aligndp.buffer import aligned_empty
+
+    class Sink:
+        def __init__(self, views):
+            self.views, self.ready = views, []
+
+        def main_grad(self, param):
+            return self.views.get(param)
+
+        def mark_ready(self, param):
+            self.ready.append(param)
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(256, out_features, device=DEV, dtype=torch.bfloat16)
+    mxl = MXLinear.from_linear(lin, backend=backend)
+    batches = [torch.randn(4, 50, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    expected = torch.zeros(out_features, 256, device=DEV)
+    grads_x = []
+    for xb in batches:
+        mxl.weight.grad = None
+        mxl(xb).float().sin().sum().backward()
+        expected += mxl.weight.grad.float()
+        grads_x.append(xb.grad.clone())
+        xb.grad = None
+    mxl.weight.grad = None
+    buffer = aligned_empty(256 + out_features * 256, dtype=torch.float32, device=torch.device(DEV), align_bytes=256)
+    buffer.zero_()
+    sink = Sink({mxl.weight: buffer[256:].view(out_features, 256)})
+    mxl.bind_grad_sink(sink)
+    for xb, gx in zip(batches, grads_x):
+        mxl(xb).float().sin().sum().backward()
+        assert torch.equal(xb.grad, gx)
+    assert mxl.weight.grad is None and sink.ready == [mxl.weight] * 2 and not buffer[:256].any()
+    # unfused grads went through bf16 (the weight's dtype) before summing: compare at bf16 precision
+    assert rel_err(sink.views[mxl.weight], expected) < 4e-3
 
 
 def test_mx_dequantize_and_gemm_read_tiny_and_nan_blocks_exactly():
@@ -167,3 +235,23 @@ def test_fp8_block_gemm_kernels_match_float64(impl, out_dtype, accumulate):
         out = scaled_gemm(a, b, start.clone(), block=128, mx=False, accumulate=accumulate, impl=impl)
         exact = da @ db.T + (start.double() if accumulate else 0)
         assert rel_err(out, exact) < (5e-4 if out_dtype == torch.float32 else 5e-3), (M, N, K)
+
+
+def test_fp8_block_gemm_without_promotion_adds_the_unscaled_product():
+    """The measurement aid behind benchmarks/fp8_power.py: ``promote=False`` runs the same
+    pipeline but adds each K block's partial unscaled, so it must equal A @ B.T + C (and not the
+    scaled product, which the scales below make far from it)."""
+    from aligndp.mx import gluon_kernels
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    M, N, K = 256, 384, 640
+    a = torch.randn(M, K, generator=g, device=DEV).to(torch.float8_e4m3fn)
+    b = torch.randn(N, K, generator=g, device=DEV).to(torch.float8_e4m3fn)
+    sa = torch.full((K // 128, M), 4.0, device=DEV)
+    sb = torch.full((K // 128, N), 0.5, device=DEV)
+    start = torch.randn(M, N, generator=g, device=DEV)
+    unscaled = start.double() + a.double() @ b.double().T
+    out = gluon_kernels.fp8_block_gemm(a, sa, b, sb, start.clone(), accumulate=True, promote=False)
+    assert rel_err(out, unscaled) < 5e-4
+    scaled = gluon_kernels.fp8_block_gemm(a, sa, b, sb, start.clone(), accumulate=True)
+    assert rel_err(scaled, start.double() + 2.0 * (a.double() @ b.double().T)) < 5e-4

@@ -70,6 +70,20 @@ def test_bf16_weights_and_inputs():
     assert rel_err(y, lin(x.detach())) < 0.08
 
 
+def test_autocast_computes_like_nn_linear_in_the_autocast_dtype():
+    """Under autocast MXLinear does what nn.Linear does (input, output and bias add in the
+    autocast dtype) while the backend inside runs unautocast: the result equals the plain call
+    on the bf16 input, and the grads come back in the params' and input's dtype."""
+    lin, mxl = make()
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_lin = mxl(x), lin(x)
+    assert y.dtype == y_lin.dtype == torch.bfloat16
+    assert torch.equal(y, mxl(x.detach().to(torch.bfloat16)))
+    y.float().sum().backward()
+    assert x.grad.dtype == mxl.weight.grad.dtype == mxl.bias.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_fused_wgrad_accumulates_over_micro_batches(grad_dtype):
     """Three micro-batches into a view at element 128 of a flat buffer: main_grad ends equal to

@@ -119,6 +119,31 @@ class WgradBackend(abc.ABC):
         self.check(main_grad, grad_out, x)
         main_grad.add_(self.wgrad(grad_out, x))
 
+    def forward_for_backward(self, x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """``(forward(x, weight) + bias, saved)``, ``saved`` being what :meth:`backward` needs of
+        this call. The default adds the bias in the output's dtype and saves ``x`` itself (a
+        tensor: :class:`aligndp.mx.MXLinear` keeps it with ``save_for_backward``); backends that
+        quantise each operand once, for both of its GEMMs, save those operands instead, and
+        may add the bias in their GEMM's epilogue."""
+        y = self.forward(x, weight)
+        return (y if bias is None else y + bias.to(y.dtype)), x
+
+    def backward(self, saved: object, grad_out: torch.Tensor, weight: torch.Tensor, *, need_dgrad: bool,
+                 need_wgrad: bool, main_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(grad_x, grad_w)`` for one :meth:`forward_for_backward` call, None where not needed.
+        With ``main_grad`` (a view of the grad buffer) the wgrad is accumulated into it, after
+        the checks of :meth:`check`, and ``grad_w`` is None."""
+        grad_x = self.dgrad(grad_out, weight) if need_dgrad else None
+        grad_w = None
+        if need_wgrad:
+            x = saved.to(grad_out.dtype)
+            if main_grad is None:
+                grad_w = self.wgrad(grad_out, x)
+            else:
+                self.wgrad_accumulate(grad_out, x, main_grad)
+        return grad_x, grad_w
+
 
 def _mx(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` through MXFP8 E4M3 along ``dim`` and back, as float32."""

@@ -33,7 +33,16 @@ registers: a loop-carried copy of an in-flight wgmma accumulator makes ptxas ser
 wgmma (its info C7514). Old C is TMA-loaded when a tile starts and added at its end. The
 consumers release a stage after reading its scales with no proxy fence, as CUTLASS's and
 DeepGEMM's pipelines do (the mbarrier orders the reads before the producer's next TMA write).
-Measured on H200 (benchmarks/results/mx_kernels_2026-11-30.md).
+Measured on H200 (benchmarks/results/mx_kernels_2026-11-30.md): 790-840 TFLOP/s at 8192^3.
+What bounds it is power, not the pipeline: at 8192^3 every fp8 GEMM tried, ours and cuBLAS's,
+runs at the 700 W cap, and this same kernel with the promotion left out (``promote=False``,
+acc += p) reaches 1030-1070 TFLOP/s, so the promotion's FP32 multiply-adds and scale loads
+cost about a quarter of the energy budget; cuBLAS's own 1x128 GEMM + ``add_`` reaches 770-810
+(benchmarks/fp8_power.py; results/fp8_power_and_mx_training_2026-11-30.md). Consumer
+registers are the other wall (192 of ~232 hold the accumulator and the two partials): variants
+that keep more live spill and ran slower (scales loaded before the wgmma wait: 616-642; two K
+blocks per stage: 676-690), and a K loop unrolled by 4 for static stage indices spilled 1 KB
+and serialised its wgmmas at compile time.
 """
 from __future__ import annotations
 
@@ -83,11 +92,16 @@ def _issue(a_bufs, b_bufs, ready, g, zero, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l: gl.constexpr, col_l: gl.constexpr, STAGES: gl.constexpr):
-    """acc += p * sa[:, None] * sb[None, :] with block ``g``'s scales, then release its stage."""
+def _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l: gl.constexpr, col_l: gl.constexpr, STAGES: gl.constexpr,
+             PROMOTE: gl.constexpr):
+    """acc += p * sa[:, None] * sb[None, :] with block ``g``'s scales, then release its stage.
+    With PROMOTE False (a measurement aid, see :func:`fp8_block_gemm`) acc += p, scales unread."""
     BLOCK_M: gl.constexpr = sa_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = sb_bufs.type.shape[2]
     s = g % STAGES
+    if not PROMOTE:
+        mbarrier.arrive(empty.index(s), count=1)
+        return acc + p
     sa = _scale_row(sa_bufs, s, BLOCK_M).load(row_l)
     sb = _scale_row(sb_bufs, s, BLOCK_N).load(col_l)
     mbarrier.arrive(empty.index(s), count=1)
@@ -120,8 +134,9 @@ def _producer(a_desc, sa_desc, b_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs
 
 
 @gluon.jit
-def _consumer(c_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, c_smem, ready, empty, c_bar, M, N, K,
-              ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(c_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, c_smem, ready, empty, c_bar, bias_ptr, n_bias, M, N, K,
+              ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROMOTE: gl.constexpr,
+              HAS_BIAS: gl.constexpr):
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -150,26 +165,29 @@ def _consumer(c_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, c_smem, ready, empty, c_
             g = it + 2 * j
             pb = _issue(a_bufs, b_bufs, ready, g + 1, zero, STAGES)
             p = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l, col_l, STAGES)
+            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l, col_l, STAGES, PROMOTE)
             pa = _issue(a_bufs, b_bufs, ready, g + 2, zero, STAGES)
             p = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g + 1, row_l, col_l, STAGES)
+            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g + 1, row_l, col_l, STAGES, PROMOTE)
         g = it + KB - 1
         if KB % 2 == 0:  # pa = block KB - 2 in flight; block KB - 1 not issued yet
             pb = _issue(a_bufs, b_bufs, ready, g, zero, STAGES)
             p = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g - 1, row_l, col_l, STAGES)
+            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g - 1, row_l, col_l, STAGES, PROMOTE)
             p = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l, col_l, STAGES)
+            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l, col_l, STAGES, PROMOTE)
         else:  # pa = block KB - 1 in flight
             p = warpgroup_mma_wait(num_outstanding=0, deps=(pa,))
-            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l, col_l, STAGES)
+            acc = _promote(acc, p, sa_bufs, sb_bufs, empty, g, row_l, col_l, STAGES, PROMOTE)
         it += KB
         if ACCUMULATE:
             mbarrier.wait(c_bar, tile_i & 1)
             acc = acc + c_smem.load(mma).to(gl.float32)
         else:
             tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        if HAS_BIAS:
+            cols = off_n + gl.arange(0, BLOCK_N, layout=col_l)
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < n_bias, other=0.0).to(gl.float32), 0)
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
@@ -178,8 +196,9 @@ def _consumer(c_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, c_smem, ready, empty, c_
 
 
 @gluon.jit
-def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, M, N, K, ACCUMULATE: gl.constexpr,
-                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, bias_ptr, n_bias, M, N, K,
+                           ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, PROMOTE: gl.constexpr, HAS_BIAS: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -196,14 +215,23 @@ def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, M, N, K, AC
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(c_bar.index(0), count=1)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, c_smem, ready, empty, c_bar.index(0), M, N, K,
-                     ACCUMULATE, GROUP_M, STAGES)),
+        (_consumer, (c_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, c_smem, ready, empty, c_bar.index(0), bias_ptr, n_bias,
+                     M, N, K, ACCUMULATE, GROUP_M, STAGES, PROMOTE, HAS_BIAS)),
         (_producer, (a_desc, sa_desc, b_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, M, N, K,
                      GROUP_M, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
 _GL_DTYPE = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16}
+
+
+@functools.cache
+def _gemm_layouts(out_dtype: torch.dtype):
+    """Shared-memory layouts of the GEMM's fp8 operand, scale and C tiles: built once, since
+    constructing them is a good part of a small call's launch time."""
+    return (gl.NVMMASharedLayout.get_default_for([TILE, SCALE_BLOCK], gl.float8e4nv),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+            gl.NVMMASharedLayout.get_default_for([TILE, TILE], _GL_DTYPE[out_dtype]))
 
 
 @functools.cache
@@ -217,29 +245,36 @@ def _sm_count(t: torch.Tensor) -> int:
 
 
 def fp8_block_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, *,
-                   accumulate: bool, group_m: int = 8, stages: int = 4) -> torch.Tensor:
-    """``out (+)= (A * sa) @ (B * sb).T`` per 128-wide K block; see [Note: overlapped promotion].
+                   accumulate: bool, bias: torch.Tensor | None = None, group_m: int = 8, stages: int = 4,
+                   promote: bool = True) -> torch.Tensor:
+    """``out (+)= (A * sa) @ (B * sb).T (+ bias)`` per 128-wide K block; see [Note: overlapped promotion].
 
     ``a`` (M, K), ``b`` (N, K) float8_e4m3fn; ``sa`` (K / 128, M), ``sb`` (K / 128, N) float32;
     ``out`` (M, N) float32 or bfloat16; all contiguous and 16-byte aligned (the caller,
-    :func:`aligndp.mx.triton_kernels.scaled_gemm`, checks), M and N multiples of :data:`TILE`.
+    :func:`aligndp.mx.triton_kernels.scaled_gemm`, checks), M and N multiples of :data:`TILE`;
+    ``bias``: at most N values added to every row in the epilogue (missing ones read as 0).
+    ``promote=False`` is a measurement aid, not a GEMM of the scaled operands: the same
+    pipeline adds each K block's partial unscaled (``out (+)= A @ B.T``), so
+    ``benchmarks/fp8_power.py`` can show what the per-block promotion costs.
     """
     (M, K), N = a.shape, b.shape[0]
-    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    op_layout, s_layout, c_layout = _gemm_layouts(out.dtype)
 
     def desc(t, rows, cols, block, layout):
         return TensorDescriptor(t, [rows, cols], [cols, 1], block, layout)
 
     descs = (
-        desc(a, M, K, [TILE, SCALE_BLOCK], gl.NVMMASharedLayout.get_default_for([TILE, SCALE_BLOCK], gl.float8e4nv)),
+        desc(a, M, K, [TILE, SCALE_BLOCK], op_layout),
         desc(sa, K // SCALE_BLOCK, M, [1, TILE], s_layout),
-        desc(b, N, K, [TILE, SCALE_BLOCK], gl.NVMMASharedLayout.get_default_for([TILE, SCALE_BLOCK], gl.float8e4nv)),
+        desc(b, N, K, [TILE, SCALE_BLOCK], op_layout),
         desc(sb, K // SCALE_BLOCK, N, [1, TILE], s_layout),
-        desc(out, M, N, [TILE, TILE], gl.NVMMASharedLayout.get_default_for([TILE, TILE], _GL_DTYPE[out.dtype])),
+        desc(out, M, N, [TILE, TILE], c_layout),
     )
     grid = (min((M // TILE) * (N // TILE), _sm_count(out)),)
     # 8 consumer warps + 1 producer warp; the producer gives its registers to the consumers
-    _fp8_block_gemm_kernel[grid](*descs, M, N, K, accumulate, group_m, stages, 40, num_warps=8, maxnreg=168)
+    bias_ptr, n_bias = (bias, bias.shape[0]) if bias is not None else (out, 0)
+    _fp8_block_gemm_kernel[grid](*descs, bias_ptr, n_bias, M, N, K, accumulate, group_m, stages, 40, promote,
+                                 bias is not None, num_warps=8, maxnreg=168)
     return out
 
 

@@ -26,28 +26,41 @@ class _MXLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with quantised GEMMs; the weight grad optionally fused into main_grad."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, backend: WgradBackend, sink: GradSink | None):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: WgradBackend,
+                sink: GradSink | None):
         x2d = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        ctx.save_for_backward(x2d, weight)
+        with torch.autocast(x.device.type, enabled=False):  # the backends pick their own precisions
+            y, saved = backend.forward_for_backward(x2d, weight, bias)
+        # the weight goes through save_for_backward for autograd's in-place-modification check;
+        # a backend's quantised operands (not inputs or outputs of this node) ride on ctx
+        if isinstance(saved, torch.Tensor):
+            ctx.save_for_backward(weight, saved)
+            ctx.saved_operands = None
+        else:
+            ctx.save_for_backward(weight)
+            ctx.saved_operands = saved
         ctx.backend, ctx.sink = backend, sink
-        return backend.forward(x2d, weight).reshape(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x2d, weight = ctx.saved_tensors
+        weight, *saved = ctx.saved_tensors
+        saved = saved[0] if saved else ctx.saved_operands
+        ctx.saved_operands = None  # free the operands as soon as this backward is done with them
         backend, sink = ctx.backend, ctx.sink
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = backend.dgrad(dy, weight).reshape(*grad_out.shape[:-1], weight.shape[1])
-        if ctx.needs_input_grad[1]:
-            main_grad = sink.main_grad(weight) if sink is not None else None
-            if main_grad is None:
-                grad_w = backend.wgrad(dy, x2d.to(dy.dtype)).to(weight.dtype)
-            else:
-                backend.wgrad_accumulate(dy, x2d.to(dy.dtype), main_grad)
-                sink.mark_ready(weight)
-        return grad_x, grad_w, None, None
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        main_grad = sink.main_grad(weight) if sink is not None and need_wgrad else None
+        grad_x, grad_w = backend.backward(saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+                                          main_grad=main_grad)
+        if grad_x is not None:
+            grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if main_grad is not None:
+            sink.mark_ready(weight)
+        grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class MXLinear(nn.Linear):
@@ -83,8 +96,11 @@ class MXLinear(nn.Linear):
         self._grad_sink = sink
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _MXLinearFunction.apply(x, self.weight, self.backend, self._grad_sink)
-        return y if self.bias is None else y + self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            # as nn.Linear under autocast: input, output and bias add in the autocast dtype
+            # (the weight is quantised from its own dtype, so it needs no cast)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return _MXLinearFunction.apply(x, self.weight, self.bias, self.backend, self._grad_sink)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend.name}"

@@ -1,16 +1,22 @@
 """The Hopper backends of MXLinear: MXFP8 (``triton``) and 1x128 blockwise FP8 (``fp8``).
 
-Both quantise each operand along its GEMM's contraction dim with one Triton pass and run the
-block-scaled GEMM of :mod:`aligndp.mx.triton_kernels`, whose wgrad accumulates in place into
-``main_grad`` after the pointer checks of :class:`~aligndp.mx.backends.WgradBackend`.
-Importing this module imports Triton; :func:`aligndp.mx.backends.get_backend` does so lazily.
+Both quantise each operand along its GEMM's contraction dim and run the block-scaled GEMM of
+:mod:`aligndp.mx.triton_kernels`, whose wgrad accumulates in place into ``main_grad`` after
+the pointer checks of :class:`~aligndp.mx.backends.WgradBackend`. Inside MXLinear every
+tensor is quantised once, rows and columns in one pass, for both GEMMs that read it: ``x``
+(forward, then wgrad, saved as fp8), the weight (forward, then dgrad) and ``grad_out``
+(dgrad and wgrad): three quantise launches per layer and step instead of six, and fp8 rather
+than ``x`` kept for backward. Importing this module imports Triton;
+:func:`aligndp.mx.backends.get_backend` does so lazily.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from aligndp.mx.backends import WgradBackend, pad_tokens
+from typing import NamedTuple
+
+from aligndp.mx.backends import WgradBackend, check_main_grad, pad_tokens
 from aligndp.mx.format import padded_length
 from aligndp.mx.triton_kernels import QuantizedOperand, quantize_rows_and_columns, scaled_gemm
 
@@ -22,6 +28,17 @@ def _pad_2d(t: torch.Tensor, multiple: int) -> torch.Tensor:
     rows, cols = t.shape
     extra_rows, extra_cols = padded_length(rows, multiple) - rows, padded_length(cols, multiple) - cols
     return F.pad(t, (0, extra_cols, 0, extra_rows)) if extra_rows or extra_cols else t
+
+
+class _Saved(NamedTuple):
+    """What one MXLinear call keeps for its backward: the column-wise (K = tokens / out-features)
+    operands of ``x`` and the weight, and the unpadded shapes."""
+
+    x_col: QuantizedOperand
+    weight_col: QuantizedOperand
+    tokens: int
+    in_features: int
+    out_features: int
 
 
 class TritonMXBackend(WgradBackend):
@@ -39,9 +56,10 @@ class TritonMXBackend(WgradBackend):
                                              rowwise=rowwise, colwise=not rowwise)
         return row if rowwise else col
 
-    def _gemm(self, a: QuantizedOperand, b: QuantizedOperand, rows: int, cols: int, dtype) -> torch.Tensor:
+    def _gemm(self, a: QuantizedOperand, b: QuantizedOperand, rows: int, cols: int, dtype,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(a.data.shape[0], b.data.shape[0], dtype=dtype, device=a.data.device)
-        scaled_gemm(a, b, out, block=self.block, mx=self.mx)
+        scaled_gemm(a, b, out, block=self.block, mx=self.mx, bias=bias)
         return out[:rows, :cols]
 
     def forward(self, x, weight):
@@ -62,11 +80,38 @@ class TritonMXBackend(WgradBackend):
 
     def wgrad_accumulate(self, grad_out, x, main_grad):
         self.check(main_grad, grad_out, x)
-        if grad_out.shape[1] % self.block or x.shape[1] % self.block:
-            main_grad.add_(self.wgrad(grad_out, x))  # ragged feature dims: no in-place kernel
-            return
-        a, b = self._wgrad_operands(grad_out, x)
-        scaled_gemm(a, b, main_grad, block=self.block, mx=self.mx, accumulate=True)
+        self._accumulate(*self._wgrad_operands(grad_out, x), main_grad)
+
+    def _accumulate(self, a: QuantizedOperand, b: QuantizedOperand, main_grad: torch.Tensor) -> None:
+        """``main_grad += A @ B.T``, in place unless a feature dim was padded to the block."""
+        rows, cols = main_grad.shape
+        if rows % self.block or cols % self.block:  # ragged feature dims: no in-place kernel
+            main_grad.add_(self._gemm(a, b, rows, cols, torch.float32))
+        else:
+            scaled_gemm(a, b, main_grad, block=self.block, mx=self.mx, accumulate=True)
+
+    def _quantize_both(self, t: torch.Tensor) -> tuple[QuantizedOperand, QuantizedOperand]:
+        return quantize_rows_and_columns(_pad_2d(t, self.block), block=self.block, mx=self.mx)
+
+    def forward_for_backward(self, x, weight, bias=None):
+        x_row, x_col = self._quantize_both(x)
+        w_row, w_col = self._quantize_both(weight)
+        y = self._gemm(x_row, w_row, x.shape[0], weight.shape[0], x.dtype, bias=bias)  # bias in the epilogue
+        return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
+
+    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, main_grad):
+        x_col, w_col, tokens, n_in, n_out = saved
+        dy_row, dy_col = quantize_rows_and_columns(_pad_2d(grad_out, self.block), block=self.block, mx=self.mx,
+                                                   rowwise=need_dgrad, colwise=need_wgrad)
+        grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
+        grad_w = None
+        if need_wgrad:
+            if main_grad is None:
+                grad_w = self._gemm(dy_col, x_col, n_out, n_in, torch.float32)
+            else:
+                check_main_grad(main_grad, self.requirement, shape=(n_out, n_in), device=grad_out.device)
+                self._accumulate(dy_col, x_col, main_grad)
+        return grad_x, grad_w
 
 
 class TritonFP8Backend(TritonMXBackend):

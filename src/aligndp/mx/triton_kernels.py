@@ -184,9 +184,10 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 
 @triton.jit
-def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, M, N, K, ACCUMULATE: tl.constexpr,
-                           SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, bias_ptr, n_bias, M, N, K,
+                           ACCUMULATE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
     off_m, off_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in tl.range(0, K // SCALE_BLOCK, num_stages=STAGES):
@@ -196,20 +197,32 @@ def _fp8_block_gemm_kernel(a_desc, sa_desc, b_desc, sb_desc, c_desc, M, N, K, AC
         sb = tl.reshape(sb_desc.load([kb, off_n]), (BLOCK_N,))
         # two broadcasts, not one outer-product tile: keeps the kernel at ~175 registers
         acc += (tl.dot(a, b.T) * sa[:, None]) * sb[None, :]
-    if ACCUMULATE:
-        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    acc = _epilogue(acc, c_desc, bias_ptr, n_bias, off_m, off_n, ACCUMULATE, HAS_BIAS, BLOCK_N)
     c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
 @triton.jit
-def _bf16_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr):
+def _epilogue(acc, c_desc, bias_ptr, n_bias, off_m, off_n, ACCUMULATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """acc (+ old C) (+ bias[None, :], its ``n_bias`` values then zeros), in float32."""
+    if ACCUMULATE:
+        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc += tl.load(bias_ptr + cols, mask=cols < n_bias, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _bf16_gemm_kernel(a_desc, b_desc, c_desc, bias_ptr, n_bias, M, N, K, ACCUMULATE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      STAGES: tl.constexpr):
     off_m, off_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
         acc = tl.dot(a_desc.load([off_m, k * BLOCK_K]), b_desc.load([off_n, k * BLOCK_K]).T, acc)
-    if ACCUMULATE:
-        acc += c_desc.load([off_m, off_n]).to(tl.float32)
+    acc = _epilogue(acc, c_desc, bias_ptr, n_bias, off_m, off_n, ACCUMULATE, HAS_BIAS, BLOCK_N)
     c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -274,26 +287,33 @@ def _use_gluon(impl: str, t: torch.Tensor, *, shape_fits: bool, shape_rule: str)
 
 
 def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out: torch.Tensor, *, block: int = 32,
-                mx: bool = True, accumulate: bool = False, impl: str = "auto") -> torch.Tensor:
-    """``out (+)= A @ B.T`` for quantised A (M, K), B (N, K); see [Note: block-scaled GEMM].
+                mx: bool = True, accumulate: bool = False, bias: torch.Tensor | None = None,
+                impl: str = "auto") -> torch.Tensor:
+    """``out (+)= A @ B.T (+ bias)`` for quantised A (M, K), B (N, K); see [Note: block-scaled GEMM].
 
     ``out`` is (M, N), contiguous, float32 or bfloat16, 16-byte aligned with 16-byte rows (e.g.
     a main_grad view of an aligndp buffer); with ``accumulate`` it is read and added to in
-    place, else overwritten. ``impl`` picks the 1x128 kernel: ``auto`` (Gluon where it runs),
-    ``gluon`` or ``triton``.
+    place, else overwritten. ``bias`` (at most N values, any float dtype, the rest read as 0)
+    is added to every row in float32 before the store, as ``nn.Linear``'s GEMM epilogue does.
+    ``impl`` picks the 1x128 kernel: ``auto`` (Gluon where it runs), ``gluon`` or ``triton``.
     """
     (M, K), (N, K_b) = a.data.shape, b.data.shape
     if K != K_b or K % block:
         raise ValueError(f"GEMM operands contract over {K} and {K_b}; both must be equal multiples of {block}")
     if tuple(out.shape) != (M, N) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({M}, {N}) tensor, got {tuple(out.shape)} strides {out.stride()}")
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] > N or not bias.is_contiguous()
+                             or bias.device != out.device):
+        raise ValueError(f"bias must be a contiguous 1-D tensor of at most {N} values on {out.device}, got shape "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    bias_ptr, n_bias = (bias, bias.shape[0]) if bias is not None else (out, 0)
     if mx:
         a16, b16 = dequantize_operand(a, block=block), dequantize_operand(b, block=block)
         cfg = dict(_BF16_TILE)
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         _bf16_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
-            _descriptor(a16, [bm, bk]), _descriptor(b16, [bn, bk]), _descriptor(out, [bm, bn]), M, N, K,
-            ACCUMULATE=accumulate, num_stages=cfg["STAGES"], **cfg)
+            _descriptor(a16, [bm, bk]), _descriptor(b16, [bn, bk]), _descriptor(out, [bm, bn]), bias_ptr, n_bias, M, N, K,
+            ACCUMULATE=accumulate, HAS_BIAS=bias is not None, num_stages=cfg["STAGES"], **cfg)
         return out
     if block != 128:
         raise ValueError(f"the float32-scaled fp8 recipe runs 1x128 blocks, got block={block}")
@@ -301,11 +321,11 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out: torch.Tensor, *, 
                   shape_rule=f"M, N multiples of 128 (got {M}, {N})"):
         for t in (a.data, a.scale_t, b.data, b.scale_t, out):
             _check_tma(t)
-        return _gluon.fp8_block_gemm(a.data, a.scale_t, b.data, b.scale_t, out, accumulate=accumulate)
+        return _gluon.fp8_block_gemm(a.data, a.scale_t, b.data, b.scale_t, out, accumulate=accumulate, bias=bias)
     cfg = dict(_FP8_TILE)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _fp8_block_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
         _descriptor(a.data, [bm, block]), _descriptor(a.scale_t, [1, bm]), _descriptor(b.data, [bn, block]),
-        _descriptor(b.scale_t, [1, bn]), _descriptor(out, [bm, bn]), M, N, K, ACCUMULATE=accumulate,
-        SCALE_BLOCK=block, num_stages=cfg["STAGES"], **cfg)
+        _descriptor(b.scale_t, [1, bn]), _descriptor(out, [bm, bn]), bias_ptr, n_bias, M, N, K, ACCUMULATE=accumulate,
+        HAS_BIAS=bias is not None, SCALE_BLOCK=block, num_stages=cfg["STAGES"], **cfg)
     return out

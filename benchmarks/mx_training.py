@@ -1,0 +1,103 @@
+"""Training step time with MX GEMMs (``--wgrad fp8`` / ``mxfp8``) against plain bf16, one GPU.
+
+The three variants of one model (a key of ``aligndp.models.gpt.PRESETS``) are built side by
+side with the public API (``convert_to_mxfp8`` + ``aligndp.parallelize(wgrad=...)``, bf16
+autocast, fp32 params and grad buffers, AdamW) and timed in interleaved rounds in one process,
+so the host's speed, which matters where Python launches dominate, is the same for all three.
+Each round: 2 warm-up steps, then ``--steps`` timed steps on random tokens.
+Usage: ``python benchmarks/mx_training.py [--presets gpt2-small,1b] [--batch-size 8] [--out f.md]``;
+``--device cpu --wgrad none,mxfp8 --presets demo`` runs the reference backend (a smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import aligndp
+from aligndp.models.gpt import GPT, PRESETS
+from aligndp.mx import convert_to_mxfp8
+
+
+def build(preset: str, wgrad: str, device: torch.device, seed: int = 0):
+    torch.manual_seed(seed)
+    module = GPT(PRESETS[preset]).to(device)
+    if wgrad != "none":
+        backend = {"fp8": "fp8", "mxfp8": "triton" if device.type == "cuda" else "reference"}[wgrad]
+        convert_to_mxfp8(module, backend=backend)
+    return aligndp.parallelize(module, optimizer="adamw", lr=3e-4, wgrad=None if wgrad == "none" else wgrad)
+
+
+def train_step(model, optimizer, x, y, device_type: str) -> torch.Tensor:
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", default="gpt2-small,1b")
+    parser.add_argument("--wgrad", default="none,fp8,mxfp8")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    modes = args.wgrad.split(",")
+    if "none" not in modes:
+        raise SystemExit("--wgrad must include none: it is the peer every ratio is taken against")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = [f"# mx_training {datetime.date.today()} on {name}, torch {torch.__version__}", "",
+            f"batch {args.batch_size} sequences, bf16 autocast, AdamW, 1 rank; median step time of {args.rounds} "
+            f"interleaved rounds of {args.steps} steps", "",
+            "| model | --wgrad | ms/step (min-max) | k tokens/s | step time / bf16 | loss after the run |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for preset in args.presets.split(","):
+        cfg = PRESETS[preset]
+        runs = {m: build(preset, m, device) for m in modes}
+        gen = torch.Generator().manual_seed(0)
+        times, losses = {m: [] for m in modes}, {}
+        for _ in range(args.rounds):
+            for m, (model, optimizer) in runs.items():
+                batches = [torch.randint(cfg.vocab_size, (2, args.batch_size, cfg.seq_len), generator=gen).to(device)
+                           for _ in range(args.steps + 2)]
+                for x, y in batches[:2]:
+                    train_step(model, optimizer, x, y, device.type)
+                sync(device)
+                t0 = time.perf_counter()
+                for x, y in batches[2:]:
+                    losses[m] = train_step(model, optimizer, x, y, device.type)
+                sync(device)
+                times[m].append((time.perf_counter() - t0) / args.steps * 1e3)
+        base = statistics.median(times["none"])
+        for m in modes:
+            med = statistics.median(times[m])
+            rows.append(f"| {preset} | {m} | {med:.1f} ({min(times[m]):.1f}-{max(times[m]):.1f}) | "
+                        f"{args.batch_size * cfg.seq_len / med:.0f} | {med / base:.2f} | {losses[m].item():.3f} |")
+            print(rows[-1], flush=True)
+        del runs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
