@@ -70,6 +70,31 @@ def test_bf16_weights_and_inputs():
     assert rel_err(y, lin(x.detach())) < 0.08
 
 
+def test_backend_operands_saved_on_ctx_are_used_once():
+    """A backend that saves its own operands (not x) gets them back in backward: the grads equal
+    the default path's; a second backward through the same graph is refused with a clear
+    error, since the operands are freed after the first."""
+    from aligndp.mx.backends import ReferenceBackend
+
+    class OwnOperands(ReferenceBackend):
+        def forward_for_backward(self, x, weight, bias=None):
+            y, x_saved = super().forward_for_backward(x, weight, bias)
+            return y, ("operands", x_saved.clone())
+
+        def backward(self, saved, grad_out, weight, **kw):
+            return super().backward(saved[1], grad_out, weight, **kw)
+
+    lin, mxl = make()
+    own = MXLinear.from_linear(copy.deepcopy(lin), backend=OwnOperands())
+    x = torch.randn(3, 20, 64)
+    mxl(x).sin().sum().backward()
+    y = own(x)
+    y.sin().sum().backward(retain_graph=True)
+    assert torch.equal(own.weight.grad, mxl.weight.grad) and torch.equal(own.bias.grad, mxl.bias.grad)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        y.sin().sum().backward()
+
+
 def test_autocast_computes_like_nn_linear_in_the_autocast_dtype():
     """Under autocast MXLinear does what nn.Linear does (input, output and bias add in the
     autocast dtype) while the backend inside runs unautocast: the result equals the plain call

@@ -46,7 +46,11 @@ class _MXLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         weight, *saved = ctx.saved_tensors
         saved = saved[0] if saved else ctx.saved_operands
-        ctx.saved_operands = None  # free the operands as soon as this backward is done with them
+        if saved is None:
+            raise RuntimeError("MXLinear's quantised operands were freed by the first backward through this "
+                               "graph; backward(retain_graph=True) twice is not supported by the GPU backends")
+        # free the operands now, not when the graph is collected (the loss may outlive backward)
+        ctx.saved_operands = None
         backend, sink = ctx.backend, ctx.sink
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -11,10 +11,10 @@ than ``x`` kept for backward. Importing this module imports Triton;
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
-
-from typing import NamedTuple
 
 from aligndp.mx.backends import WgradBackend, check_main_grad, pad_tokens
 from aligndp.mx.format import padded_length
@@ -101,6 +101,8 @@ class TritonMXBackend(WgradBackend):
 
     def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, main_grad):
         x_col, w_col, tokens, n_in, n_out = saved
+        if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
+            return None, None
         dy_row, dy_col = quantize_rows_and_columns(_pad_2d(grad_out, self.block), block=self.block, mx=self.mx,
                                                    rowwise=need_dgrad, colwise=need_wgrad)
         grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
