@@ -21,14 +21,15 @@ import torch.distributed as dist
 import aligndp
 from aligndp.models.gpt import GPT, PRESETS
 from aligndp.mx import convert_to_mxfp8
+from aligndp.train import TrainConfig
+from aligndp.train_loop import wgrad_backend
 
 
 def build(preset: str, wgrad: str, device: torch.device, seed: int = 0):
     torch.manual_seed(seed)
     module = GPT(PRESETS[preset]).to(device)
     if wgrad != "none":
-        backend = {"fp8": "fp8", "mxfp8": "triton" if device.type == "cuda" else "reference"}[wgrad]
-        convert_to_mxfp8(module, backend=backend)
+        convert_to_mxfp8(module, backend=wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type)))
     return aligndp.parallelize(module, optimizer="adamw", lr=3e-4, wgrad=None if wgrad == "none" else wgrad)
 
 

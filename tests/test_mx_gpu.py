@@ -148,16 +148,7 @@ def test_mxlinear_fused_wgrad_on_gpu_equals_unfused(backend, out_features):
     block multiple), the wgrad accumulated into a main_grad view must equal the sum of the
     unfused wgrads, and grad_x must not depend on whether the wgrad is fused."""
     from aligndp.buffer import aligned_empty
-
-    class Sink:
-        def __init__(self, views):
-            self.views, self.ready = views, []
-
-        def main_grad(self, param):
-            return self.views.get(param)
-
-        def mark_ready(self, param):
-            self.ready.append(param)
+    from tests.test_mx_linear import RecordingSink
 
     torch.manual_seed(1)
     lin = torch.nn.Linear(256, out_features, device=DEV, dtype=torch.bfloat16)
@@ -174,7 +165,7 @@ def test_mxlinear_fused_wgrad_on_gpu_equals_unfused(backend, out_features):
     mxl.weight.grad = None
     buffer = aligned_empty(256 + out_features * 256, dtype=torch.float32, device=torch.device(DEV), align_bytes=256)
     buffer.zero_()
-    sink = Sink({mxl.weight: buffer[256:].view(out_features, 256)})
+    sink = RecordingSink({mxl.weight: buffer[256:].view(out_features, 256)})
     mxl.bind_grad_sink(sink)
     for xb, gx in zip(batches, grads_x):
         mxl(xb).float().sin().sum().backward()

@@ -50,11 +50,12 @@ class TritonMXBackend(WgradBackend):
     block = 32
     mx = True
 
-    def _quantize(self, t: torch.Tensor, *, rowwise: bool) -> QuantizedOperand:
-        """``t`` (rows, cols) as a K-major operand: rows of ``t`` (rowwise) or of ``t.T``."""
-        row, col = quantize_rows_and_columns(_pad_2d(t, self.block), block=self.block, mx=self.mx,
-                                             rowwise=rowwise, colwise=not rowwise)
-        return row if rowwise else col
+    def _quantize(self, t: torch.Tensor, *, rowwise: bool = True,
+                  colwise: bool = True) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
+        """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
+        (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for."""
+        return quantize_rows_and_columns(_pad_2d(t, self.block), block=self.block, mx=self.mx,
+                                         rowwise=rowwise, colwise=colwise)
 
     def _gemm(self, a: QuantizedOperand, b: QuantizedOperand, rows: int, cols: int, dtype,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,16 +64,16 @@ class TritonMXBackend(WgradBackend):
         return out[:rows, :cols]
 
     def forward(self, x, weight):
-        a, b = self._quantize(x, rowwise=True), self._quantize(weight, rowwise=True)
+        a, b = self._quantize(x, colwise=False)[0], self._quantize(weight, colwise=False)[0]
         return self._gemm(a, b, x.shape[0], weight.shape[0], x.dtype)
 
     def dgrad(self, grad_out, weight):
-        a, b = self._quantize(grad_out, rowwise=True), self._quantize(weight, rowwise=False)
+        a, b = self._quantize(grad_out, colwise=False)[0], self._quantize(weight, rowwise=False)[1]
         return self._gemm(a, b, grad_out.shape[0], weight.shape[1], grad_out.dtype)
 
     def _wgrad_operands(self, grad_out, x) -> tuple[QuantizedOperand, QuantizedOperand]:
-        return (self._quantize(pad_tokens(grad_out, self.block), rowwise=False),
-                self._quantize(pad_tokens(x, self.block), rowwise=False))
+        return (self._quantize(pad_tokens(grad_out, self.block), rowwise=False)[1],
+                self._quantize(pad_tokens(x, self.block), rowwise=False)[1])
 
     def wgrad(self, grad_out, x):
         a, b = self._wgrad_operands(grad_out, x)
@@ -90,12 +91,9 @@ class TritonMXBackend(WgradBackend):
         else:
             scaled_gemm(a, b, main_grad, block=self.block, mx=self.mx, accumulate=True)
 
-    def _quantize_both(self, t: torch.Tensor) -> tuple[QuantizedOperand, QuantizedOperand]:
-        return quantize_rows_and_columns(_pad_2d(t, self.block), block=self.block, mx=self.mx)
-
     def forward_for_backward(self, x, weight, bias=None):
-        x_row, x_col = self._quantize_both(x)
-        w_row, w_col = self._quantize_both(weight)
+        x_row, x_col = self._quantize(x)
+        w_row, w_col = self._quantize(weight)
         y = self._gemm(x_row, w_row, x.shape[0], weight.shape[0], x.dtype, bias=bias)  # bias in the epilogue
         return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
 
@@ -103,8 +101,7 @@ class TritonMXBackend(WgradBackend):
         x_col, w_col, tokens, n_in, n_out = saved
         if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
             return None, None
-        dy_row, dy_col = quantize_rows_and_columns(_pad_2d(grad_out, self.block), block=self.block, mx=self.mx,
-                                                   rowwise=need_dgrad, colwise=need_wgrad)
+        dy_row, dy_col = self._quantize(grad_out, rowwise=need_dgrad, colwise=need_wgrad)
         grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
         grad_w = None
         if need_wgrad:
