@@ -6,6 +6,12 @@ run that starts each world size's process group once (file rendezvous) and runs 
 in it. A case is a module-level function ``fn(rank, world_size)``; it raises to fail. After
 every case the ranks agree on whether anybody failed, so one rank's error cannot leave the
 others waiting in a collective of the next case.
+
+Every failure names its case: a case may raise anything, ``BaseException`` included
+(pytest's ``Failed`` from a ``pytest.raises`` that did not raise, ``SystemExit``), and is
+reported as that case's failure while the other cases of its world size still run. A rank
+that dies outright (``os._exit``, a crash in C++) fails the case it was running, named from a
+progress file each rank writes before every case; the cases after it are reported as not run.
 """
 from __future__ import annotations
 
@@ -34,19 +40,22 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, module: st
     mod = importlib.import_module(module)
     results: dict[str, str | None] = {}
     for name in names:
+        _write(os.path.join(out_dir, f"rank{rank}.current"), name)
         error = None
         try:
             getattr(mod, name)(rank, world_size)
-        except Exception:  # reported through the result file, not swallowed
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported, not swallowed
             error = f"rank {rank}: " + traceback.format_exc()
         flag = torch.tensor([0 if error is None else 1])
         dist.all_reduce(flag)
         if error is None and flag.item():
             error = f"rank {rank}: another rank failed"
         results[name] = error
+        _write(os.path.join(out_dir, f"rank{rank}.pkl"), results)  # what is done survives a later crash
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
+    _write(os.path.join(out_dir, f"rank{rank}.current"), None)
     dist.destroy_process_group()
     # Leave without interpreter teardown: about 1 run in 16 aborted there ("terminate called
     # without an active exception", no Python frame) after every case had passed and the
@@ -56,17 +65,54 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, module: st
     os._exit(0)
 
 
+def _write(path: str, obj: object) -> None:
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read(path: str, default: object) -> object:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return default
+
+
 def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str | None]:
-    """Run ``names`` of ``module`` on ``world_size`` gloo ranks; error text (or None) per case."""
+    """Run ``names`` of ``module`` on ``world_size`` gloo ranks; error text (or None) per case.
+
+    If a rank process dies, the case it was running gets the error (with the spawn error's
+    text) and every case no rank finished gets "not run"; cases finished before keep theirs.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world_size, init_file, tmp, module, names), nprocs=world_size, join=True)
+        died = None
+        try:
+            mp.spawn(_worker, args=(world_size, init_file, tmp, module, names), nprocs=world_size, join=True)
+        except Exception as e:  # noqa: BLE001  a rank process died: name the case it was in
+            died = f"{type(e).__name__}: {e}"
         merged: dict[str, str | None] = dict.fromkeys(names)
+        finished: set[str] = set(names)
         for r in range(world_size):
-            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
-                for name, err in pickle.load(f).items():
-                    if err is not None and (merged[name] is None or "another rank failed" in merged[name]):
-                        merged[name] = err
+            done = _read(os.path.join(tmp, f"rank{r}.pkl"), {})
+            finished &= set(done)
+            for name, err in done.items():
+                if err is not None and (merged[name] is None or "another rank failed" in merged[name]):
+                    merged[name] = err
+        if died is None:
+            return merged
+        running = {r: _read(os.path.join(tmp, f"rank{r}.current"), None) for r in range(world_size)}
+        crashed_in = sorted({name for name in running.values() if name is not None and name not in finished},
+                            key=names.index)
+        for name in names:
+            if name in finished:
+                continue
+            if name in crashed_in:
+                ranks = [r for r, n in running.items() if n == name]
+                merged[name] = f"a rank process died while rank(s) {ranks} ran this case: {died}"
+            else:
+                merged[name] = f"not run: a rank process died during {crashed_in or 'start-up'}: {died}"
         return merged
 
 
