@@ -6,6 +6,7 @@ Benchmarks run as scripts (``torchrun ... benchmarks/NAME.py``), so ``benchmarks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -14,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from aligndp.models.gpt import PRESETS
+from aligndp.models.gpt import GPT, PRESETS
 
 
 def add_common_arguments(ap: argparse.ArgumentParser) -> None:
@@ -24,13 +25,22 @@ def add_common_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=3)
 
 
-def init(device_name: str) -> tuple[torch.device, torch.dtype]:
-    """NCCL + this rank's GPU and bf16 on ``cuda``; gloo and fp32 on ``cpu`` (smoke runs)."""
+def init(device_name: str, **init_kwargs) -> tuple[torch.device, torch.dtype]:
+    """NCCL + this rank's GPU and bf16 on ``cuda``; gloo and fp32 on ``cpu`` (smoke runs).
+    ``init_kwargs`` go to ``init_process_group`` (e.g. ``timeout``)."""
     cuda = device_name == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo", **init_kwargs)
     return torch.device(device_name), torch.bfloat16 if cuda else torch.float32
+
+
+def build_gpt(preset: str, device: torch.device, dtype: torch.dtype, *, seed: int = 0) -> GPT:
+    """``GPT(PRESETS[preset])`` initialised directly on ``device`` (a 1b model built on the
+    host and then moved costs seconds per build), in ``dtype``."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return GPT(PRESETS[preset]).to(dtype)
 
 
 def device_label(device: torch.device) -> str:
@@ -54,6 +64,18 @@ def every_rank(seconds: float, device: torch.device) -> list[float]:
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return [x.item() for x in out]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How every figure of one run is timed: ``Timing(...)(fn)`` is :func:`timed` with these."""
+
+    device: torch.device
+    iters: int
+    warmup: int
+
+    def __call__(self, fn) -> float:
+        return timed(fn, device=self.device, iters=self.iters, warmup=self.warmup)
 
 
 def timed(fn, *, device: torch.device, iters: int, warmup: int, repeats: int = 3) -> float:

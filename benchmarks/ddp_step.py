@@ -14,14 +14,72 @@ beat it, and rank 0's own figure would count a slower peer GPU as communication 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _bench import (
+    Timing,
+    add_common_arguments,
+    build_gpt,
+    device_label,
+    every_rank,
+    init,
+    log,
+)
 
-from _bench import add_common_arguments, device_label, every_rank, init, log, timed
 from aligndp.ddp import DataParallel, DDPConfig
-from aligndp.models.gpt import GPT, PRESETS
+from aligndp.models.gpt import PRESETS
+
+
+def fwdbwd(model: nn.Module, idx: torch.Tensor) -> None:
+    """One local forward + backward on ``idx`` (tokens as their own targets)."""
+    model(idx, idx).backward()
+
+
+def local_fwdbwd(model: nn.Module, idx: torch.Tensor, timing: Timing) -> list[float]:
+    """Every rank's seconds of one local fwd+bwd, no communication (a DP step's lower bound
+    is the slowest of them: ranks meet in every collective)."""
+    return every_rank(timing(lambda: fwdbwd(model, idx)), timing.device)
+
+
+def torch_ddp_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, bucket_cap_mb: float) -> float:
+    """Seconds per torch DDP fwd+bwd (its all-reduces finish inside backward)."""
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+    return timing(lambda: fwdbwd(ddp, idx))
+
+
+@dataclasses.dataclass(frozen=True)
+class AligndpStep:
+    """One aligndp DDP measurement."""
+
+    seconds: float
+    bucket_numels: list[int]
+    """Elements of every bucket of the first gradient buffer (one collective each)."""
+    padding_fraction: float
+
+
+def aligndp_ddp_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, bucket_numel: int,
+                     overlap: bool = True, process_group: dist.ProcessGroup | None = None,
+                     no_comm: bool = False) -> AligndpStep:
+    """Seconds per aligndp step: zero_grad_buffer + fwd+bwd + finish_grad_sync. ``model`` is
+    wrapped here and unwrapped (hooks removed) before returning."""
+    ours = DataParallel(model, process_group=process_group, config=DDPConfig(bucket_numel=bucket_numel, overlap=overlap))
+    if no_comm:
+        ours.dp_size = 1  # benchmark-only: skip the collectives, keep hooks and copies
+
+    def step() -> None:
+        ours.zero_grad_buffer()
+        fwdbwd(ours, idx)
+        ours.finish_grad_sync()
+
+    try:
+        seconds = timing(step)
+        layout = ours.layouts[0]
+        return AligndpStep(seconds, [b.numel for b in layout.buckets], layout.padding_fraction)
+    finally:
+        ours.remove_hooks()
 
 
 def main() -> None:
@@ -38,31 +96,21 @@ def main() -> None:
 
     device, dtype = init(args.device)
     cuda = device.type == "cuda"
+    timing = Timing(device, args.iters, args.warmup)
     cfg = PRESETS[args.preset]
     log(what="env", torch=torch.__version__, world_size=dist.get_world_size(), device=device_label(device),
         preset=args.preset, batch=args.batch, seq_len=cfg.seq_len)
 
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return GPT(cfg).to(device=device, dtype=dtype)
-
     idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
-
-    def fwdbwd(m: nn.Module) -> None:
-        m(idx, idx).backward()
-
-    model = make()
+    model = build_gpt(args.preset, device, dtype)
     nparams = sum(p.numel() for p in model.parameters())
-    per_rank = every_rank(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
-    # the baseline is the slowest rank's local fwd+bwd: ranks meet in every collective
+    per_rank = local_fwdbwd(model, idx, timing)
     t_local = max(per_rank)
     log(what="local", params=nparams, fwdbwd_ms=t_local * 1e3, per_rank_ms=[x * 1e3 for x in per_rank])
 
     for mb in [float(x) for x in args.torch_bucket_mb.split(",")]:
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb, gradient_as_bucket_view=True)
-        t = timed(lambda: fwdbwd(ddp), device=device, iters=args.iters, warmup=args.warmup)
+        t = torch_ddp_step(model, idx, timing, bucket_cap_mb=mb)
         log(what="torch_ddp", bucket_cap_mb=mb, step_ms=t * 1e3, overhead=t / t_local)
-        del ddp
     del model
 
     groups: list[tuple[str, dist.ProcessGroup | None]] = [("default", None)]
@@ -81,26 +129,15 @@ def main() -> None:
     if args.no_comm:
         variants.append((int(args.buckets.split(",")[0]), True, "default", None, True))
     for numel, overlap, name, group, no_comm in variants:
-        ours = DataParallel(make(), process_group=group, config=DDPConfig(bucket_numel=numel, overlap=overlap))
-        if no_comm:
-            ours.dp_size = 1  # benchmark-only: skip the collectives, keep hooks and copies
-
-        def step() -> None:
-            ours.zero_grad_buffer()
-            fwdbwd(ours)
-            ours.finish_grad_sync()
-
-        t = timed(step, device=device, iters=args.iters, warmup=args.warmup)
-        layout = ours.layouts[0]
+        r = aligndp_ddp_step(build_gpt(args.preset, device, dtype), idx, timing, bucket_numel=numel,
+                             overlap=overlap, process_group=group, no_comm=no_comm)
         log(what="aligndp_ddp", bucket_numel=numel, overlap=overlap, group=name, no_comm=no_comm,
-            buckets=len(layout.buckets), padding_fraction=layout.padding_fraction, step_ms=t * 1e3,
-            overhead=t / t_local)
-        ours.remove_hooks()
-        del ours
+            buckets=len(r.bucket_numels), padding_fraction=r.padding_fraction, step_ms=r.seconds * 1e3,
+            overhead=r.seconds / t_local)
         if cuda:
             torch.cuda.empty_cache()
-    model = make()
-    again = every_rank(timed(lambda: fwdbwd(model), device=device, iters=args.iters, warmup=args.warmup), device)
+    model = build_gpt(args.preset, device, dtype)
+    again = local_fwdbwd(model, idx, timing)
     log(what="local_again", per_rank_ms=[x * 1e3 for x in again])
     dist.destroy_process_group()
 

@@ -18,15 +18,15 @@ JSON lines on rank 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _bench import Timing, add_common_arguments, build_gpt, device_label, init, log
 
 import aligndp
-from aligndp.models.gpt import GPT, PRESETS
 from aligndp.routing import route_params
-from _bench import add_common_arguments, device_label, init, log, timed
 
 
 class Matrices(nn.Module):
@@ -39,6 +39,56 @@ class Matrices(nn.Module):
             self.register_parameter(f"m{i}", nn.Parameter(t.detach().clone()))
 
 
+def hidden_matrices(preset: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The matrices :func:`aligndp.routing.route_params` gives Muon in ``GPT(PRESETS[preset])``."""
+    gpt = build_gpt(preset, device, dtype)
+    named = dict(gpt.named_parameters())
+    return {n: named[n] for n in route_params(gpt).muon}
+
+
+def torch_muon_1gpu(matrices: dict[str, torch.Tensor], timing: Timing) -> float:
+    """Seconds per one-GPU step: torch's Muon over fp32 masters of every matrix, cast back into
+    the params, on rank 0 alone (the other ranks only keep time with it)."""
+    params = [t.detach().clone() for t in matrices.values()]
+    masters = [p.float() for p in params]
+    for m in masters:
+        m.grad = torch.randn_like(m) * 1e-3
+    single = torch.optim.Muon(masters, lr=0.02)
+    rank = dist.get_rank()
+
+    def single_step() -> None:
+        if rank == 0:
+            single.step()
+            torch._foreach_copy_(params, masters)
+
+    return timing(single_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonStep:
+    """One layer-wise Muon measurement."""
+
+    seconds: float
+    buckets: int
+    owned: int
+    """Matrices this rank steps."""
+    imbalance: float
+    padding_fraction: float
+
+
+def aligndp_muon_step(matrices: dict[str, torch.Tensor], timing: Timing, *, bucket_numel: int) -> MuonStep:
+    """Seconds per ``opt.step()`` of ``parallelize(optimizer="muon", sharding="zero1")``: owners
+    step their matrices whole, then one all-gather of the layer-wise buffer."""
+    model, opt = aligndp.parallelize(Matrices(matrices), optimizer="muon", sharding="zero1", lr=0.02,
+                                     bucket_numel=bucket_numel, grad_dtype=torch.float32)
+    model.finish_grad_sync()  # no backward: mark this step's gradients as synced, then fill them
+    for buf in model.flat_buffers:
+        buf.grad_data.normal_(0, 1e-3)  # every timed step reuses these "reduced" gradients
+    seconds = timing(opt.step)
+    return MuonStep(seconds, len(model.layouts[0].buckets), len(opt.parts[0].owned), opt.imbalance,
+                    opt.padding_fraction)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_common_arguments(ap)
@@ -46,45 +96,17 @@ def main() -> None:
     args = ap.parse_args()
 
     device, dtype = init(args.device)
-    ws, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    with torch.device(device):
-        gpt = GPT(PRESETS[args.preset]).to(dtype)
-    named = dict(gpt.named_parameters())
-    matrices = {n: named[n] for n in route_params(gpt).muon}
-    del gpt, named
+    timing = Timing(device, args.iters, args.warmup)
+    matrices = hidden_matrices(args.preset, device, dtype)
     numel = sum(t.numel() for t in matrices.values())
-    log(what="env", torch=torch.__version__, world_size=ws, device=device_label(device),
+    log(what="env", torch=torch.__version__, world_size=dist.get_world_size(), device=device_label(device),
         preset=args.preset, matrices=len(matrices), numel=numel, dtype=str(dtype))
-
-    # one GPU: torch's Muon over fp32 masters of every matrix, cast back into the params
-    params = [t.detach().clone() for t in matrices.values()]
-    masters = [p.float() for p in params]
-    for m in masters:
-        m.grad = torch.randn_like(m) * 1e-3
-    single = torch.optim.Muon(masters, lr=0.02)
-
-    def single_step() -> None:
-        if rank == 0:
-            single.step()
-            torch._foreach_copy_(params, masters)
-
-    torch_s = timed(single_step, device=device, iters=args.iters, warmup=args.warmup)
-    del single, masters, params
+    torch_s = torch_muon_1gpu(matrices, timing)
     log(what="torch_muon_1gpu", ms=1e3 * torch_s)
-
-    # aligndp: owners step their matrices whole, then one all-gather of the layer-wise buffer
-    model, opt = aligndp.parallelize(Matrices(matrices), optimizer="muon", sharding="zero1", lr=0.02,
-                                     bucket_numel=args.bucket_numel, grad_dtype=torch.float32)
-    model.finish_grad_sync()  # no backward: mark this step's gradients as synced, then fill them
-    for buf in model.flat_buffers:
-        buf.grad_data.normal_(0, 1e-3)  # every timed step reuses these "reduced" gradients
-    aligndp_s = timed(opt.step, device=device, iters=args.iters, warmup=args.warmup)
-    layout = model.layouts[0]
-    log(what="aligndp", ms=1e3 * aligndp_s, dp_size=ws, buckets=len(layout.buckets),
-        owned=len(opt.parts[0].owned), imbalance=round(opt.imbalance, 4),
-        padding_fraction=round(opt.padding_fraction, 6))
-    log(what="ratio", ratio=aligndp_s / torch_s, goal=0.55)
+    r = aligndp_muon_step(matrices, timing, bucket_numel=args.bucket_numel)
+    log(what="aligndp", ms=1e3 * r.seconds, dp_size=dist.get_world_size(), buckets=r.buckets, owned=r.owned,
+        imbalance=round(r.imbalance, 4), padding_fraction=round(r.padding_fraction, 6))
+    log(what="ratio", ratio=r.seconds / torch_s, goal=0.55)
     dist.destroy_process_group()
 
 

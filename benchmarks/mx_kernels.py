@@ -36,6 +36,61 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def copy_ms(numel: int, dev, *, graph: bool) -> float:
+    """Median ms of a device copy of ``numel`` bf16 elements into a preallocated tensor (the
+    bandwidth peer: it moves ``4 * numel`` bytes), under ``do_bench`` or ``do_bench_cudagraph``."""
+    big = torch.empty(numel, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(big)
+    if graph:
+        return do_bench_cudagraph(lambda: dst.copy_(big), return_mode="median")
+    return do_bench(lambda: dst.copy_(big))
+
+
+def quantise_bytes(n: int, *, block: int, mx: bool, rowwise: bool, colwise: bool) -> int:
+    """Bytes one quantise of an (n, n) bf16 tensor moves: read it, write each requested fp8
+    copy and its scales (one E8M0 byte per 32, or one fp32 per 128)."""
+    scale_bytes = n * n // block * (1 if mx else 4)
+    return 2 * n * n + (rowwise + colwise) * (n * n + scale_bytes)
+
+
+def quantise_ms(x, *, block: int, mx: bool, rowwise: bool, colwise: bool, impl: str = "auto") -> float:
+    """Median ms of one quantise of ``x`` under ``do_bench_cudagraph`` (Python and launch
+    time, which can exceed these kernels' GPU time, are not measured)."""
+    return do_bench_cudagraph(lambda: quantize_rows_and_columns(x, block=block, mx=mx, rowwise=rowwise,
+                                                                colwise=colwise, impl=impl), return_mode="median")
+
+
+def bf16_wgrad_peer_ms(x, dy, main_grad) -> tuple[float, float]:
+    """Median ms of cuBLAS bf16 ``x @ dy.T`` alone, and of the wgrad ``dy^T x`` + ``add_`` into
+    fp32 ``main_grad`` (what an in-place wgrad kernel replaces)."""
+    alone = do_bench(lambda: x @ dy.T)
+    dyt, xt = dy.T.contiguous(), x.T.contiguous()
+    return alone, do_bench(lambda: main_grad.add_(dyt @ xt.T))
+
+
+def wgrad_operands(dy, x, *, block: int, mx: bool):
+    """The column-quantised operands of the wgrad GEMM ``dy^T x``."""
+    _, a = quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False)
+    _, b = quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False)
+    return a, b
+
+
+def wgrad_rel_err(a, b, *, block: int, mx: bool, sub: int = 1024) -> float:
+    """Relative error of our in-place wgrad GEMM against float64 on a (sub, sub) corner of the
+    benchmark's own operands: checked before any timing, so a fast wrong kernel prints no rate."""
+    sub = min(sub, a.data.shape[0], b.data.shape[0])
+    a_sub = type(a)(a.data[:sub].contiguous(), a.scale_t[:, :sub].contiguous())
+    b_sub = type(b)(b.data[:sub].contiguous(), b.scale_t[:, :sub].contiguous())
+    start = torch.randn(sub, sub, device=a.data.device)
+    got = scaled_gemm(a_sub, b_sub, start.clone(), block=block, mx=mx, accumulate=True)
+    return rel_err(got, start.double() + dequant_torch(a_sub, block, mx).double() @ dequant_torch(b_sub, block, mx).double().T)
+
+
+def wgrad_ms(a, b, main_grad, *, block: int, mx: bool, impl: str = "auto") -> float:
+    """Median ms of our wgrad GEMM accumulating in place into ``main_grad``."""
+    return do_bench(lambda: scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True, impl=impl))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, default=8192)
@@ -58,38 +113,33 @@ def main() -> None:
     x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     main_grad = torch.zeros(n, n, device=dev, dtype=torch.float32)
-    big = torch.empty(4 * n * n, device=dev, dtype=torch.bfloat16)
-    dst = torch.empty_like(big)
-    ms = do_bench(lambda: dst.copy_(big))
-    copy_tbs = 2 * big.numel() * 2 / ms / 1e9
-    row(f"peer: device copy ({big.numel() * 2 >> 20} MiB into a preallocated tensor), read + write, do_bench", ms,
+    copy_numel = 4 * n * n
+    ms = copy_ms(copy_numel, dev, graph=False)
+    copy_tbs = 2 * copy_numel * 2 / ms / 1e9
+    row(f"peer: device copy ({copy_numel * 2 >> 20} MiB into a preallocated tensor), read + write, do_bench", ms,
         f"{copy_tbs:.2f} TB/s")
-    ms = do_bench_cudagraph(lambda: dst.copy_(big), return_mode="median")
-    row("peer: the same copy, do_bench_cudagraph", ms, f"{2 * big.numel() * 2 / ms / 1e9:.2f} TB/s")
-    copy_tbs = max(copy_tbs, 2 * big.numel() * 2 / ms / 1e9)
+    ms = copy_ms(copy_numel, dev, graph=True)
+    row("peer: the same copy, do_bench_cudagraph", ms, f"{2 * copy_numel * 2 / ms / 1e9:.2f} TB/s")
+    copy_tbs = max(copy_tbs, 2 * copy_numel * 2 / ms / 1e9)
     rows.append(f"| (ratios 'of copy' below are to the faster copy: {copy_tbs:.2f} TB/s) | | | |")
 
     for name, block, mx in (("MXFP8 1x32 e8m0", 32, True), ("FP8 1x128 fp32", 128, False)):
-        scale_bytes = n * n // block * (1 if mx else 4)
         for impl, what, rw, cw in (("auto", "row+col in one pass", True, True),
                                    ("auto", "row only", True, False),
                                    ("auto", "col only (the wgrad operand)", False, True),
                                    ("triton", "row+col, plain-Triton fallback kernel", True, True)):
-            ms = do_bench_cudagraph(lambda: quantize_rows_and_columns(x, block=block, mx=mx, rowwise=rw, colwise=cw,  # noqa: B023
-                                                                      impl=impl), return_mode="median")  # noqa: B023
-            moved = 2 * n * n + (rw + cw) * (n * n + scale_bytes)
-            tbs = moved / ms / 1e9
+            ms = quantise_ms(x, block=block, mx=mx, rowwise=rw, colwise=cw, impl=impl)
+            tbs = quantise_bytes(n, block=block, mx=mx, rowwise=rw, colwise=cw) / ms / 1e9
             row(f"ours: quantise {name}, {what} (bf16 in)", ms, f"{tbs:.2f} TB/s", f"{tbs / copy_tbs:.2f} of copy")
 
     ms = do_bench(lambda: quantize_rows_and_columns(x))
     row("ours: quantise MXFP8 row+col, plain do_bench (Python + launch included)", ms,
         f"{(4 * n * n + 2 * n * n // 32) / ms / 1e9:.2f} TB/s")
-    ms_bf16 = do_bench(lambda: x @ dy.T)
+    ms_bf16, ms_bf16_add = bf16_wgrad_peer_ms(x, dy, main_grad)
     row("peer: cuBLAS bf16 matmul", ms_bf16, f"{tflops(n, n, n, ms_bf16):.0f} TFLOP/s")
-    dyt, xt = dy.T.contiguous(), x.T.contiguous()
-    ms_bf16_add = do_bench(lambda: main_grad.add_(dyt @ xt.T))
     row("peer: cuBLAS bf16 matmul + add_ into fp32 main_grad", ms_bf16_add, f"{tflops(n, n, n, ms_bf16_add):.0f} TFLOP/s")
 
+    dyt, xt = dy.T.contiguous(), x.T.contiguous()
     a8, b8 = dyt.to(torch.float8_e4m3fn), xt.to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
     ms = do_bench(lambda: torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one, out_dtype=torch.float32))
@@ -99,15 +149,8 @@ def main() -> None:
     row("peer: _scaled_mm fp8 per-tensor + add_ into fp32 main_grad", ms_sm, f"{tflops(n, n, n, ms_sm):.0f} TFLOP/s")
 
     for name, block, mx in (("MXFP8", 32, True), ("FP8 1x128", 128, False)):
-        _, a = quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False)
-        _, b = quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False)
-        # correctness on the benchmark's own data before any timing
-        sub = 1024
-        a_sub = type(a)(a.data[:sub].contiguous(), a.scale_t[:, :sub].contiguous())
-        b_sub = type(b)(b.data[:sub].contiguous(), b.scale_t[:, :sub].contiguous())
-        start = torch.randn(sub, sub, device=dev)
-        got = scaled_gemm(a_sub, b_sub, start.clone(), block=block, mx=mx, accumulate=True)
-        err = rel_err(got, start.double() + dequant_torch(a_sub, block, mx).double() @ dequant_torch(b_sub, block, mx).double().T)
+        a, b = wgrad_operands(dy, x, block=block, mx=mx)
+        err = wgrad_rel_err(a, b, block=block, mx=mx)  # correctness on the benchmark's own data first
         peer = ms_sm
         if mx:
             ms = do_bench(lambda: main_grad.add_(dequant_torch(a, block, mx).bfloat16() @ dequant_torch(b, block, mx).bfloat16().T))  # noqa: B023
@@ -130,15 +173,15 @@ def main() -> None:
             except RuntimeError as err_sm:
                 rows.append(f"| peer: _scaled_mm fp8 1x128 blockwise | failed | {str(err_sm).splitlines()[0][:90]} | |")
                 print(rows[-1])
-        ms = do_bench(lambda: scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True))  # noqa: B023
+        ms = wgrad_ms(a, b, main_grad, block=block, mx=mx)
         row(f"ours: {name} wgrad GEMM accumulating in place into fp32 main_grad (rel err {err:.1e})", ms,
             f"{tflops(n, n, n, ms):.0f} TFLOP/s", f"{peer / ms:.2f}x the peer above; {ms_bf16_add / ms:.2f}x cuBLAS bf16+add_")
         if not mx:  # the plain-Triton 1x128 kernel, the fallback where Gluon does not run
-            ms = do_bench(lambda: scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True, impl="triton"))  # noqa: B023
+            ms = wgrad_ms(a, b, main_grad, block=block, mx=mx, impl="triton")
             row(f"ours: {name} wgrad GEMM, plain-Triton fallback kernel, fp32 main_grad", ms,
                 f"{tflops(n, n, n, ms):.0f} TFLOP/s", f"{peer / ms:.2f}x the peer above")
         bf16_grad = main_grad.to(torch.bfloat16)
-        ms = do_bench(lambda: scaled_gemm(a, b, bf16_grad, block=block, mx=mx, accumulate=True))  # noqa: B023
+        ms = wgrad_ms(a, b, bf16_grad, block=block, mx=mx)
         row(f"ours: {name} wgrad GEMM accumulating in place into bf16 main_grad", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
         ms = do_bench(lambda: (quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False),  # noqa: B023
                                quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False),  # noqa: B023

@@ -11,26 +11,29 @@ Usage: ``python benchmarks/mx_training.py [--presets gpt2-small,1b] [--batch-siz
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _bench import build_gpt
 
 import aligndp
-from aligndp.models.gpt import GPT, PRESETS
+from aligndp.models.gpt import PRESETS
 from aligndp.mx import convert_to_mxfp8
 from aligndp.train import TrainConfig
 from aligndp.train_loop import wgrad_backend
 
 
-def build(preset: str, wgrad: str, device: torch.device, seed: int = 0):
-    torch.manual_seed(seed)
-    module = GPT(PRESETS[preset]).to(device)
+def build(preset: str, wgrad: str, device: torch.device, seed: int = 0,
+          process_group: dist.ProcessGroup | None = None):
+    module = build_gpt(preset, device, torch.float32, seed=seed)
     if wgrad != "none":
         convert_to_mxfp8(module, backend=wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type)))
-    return aligndp.parallelize(module, optimizer="adamw", lr=3e-4, wgrad=None if wgrad == "none" else wgrad)
+    return aligndp.parallelize(module, optimizer="adamw", lr=3e-4, wgrad=None if wgrad == "none" else wgrad,
+                               process_group=process_group)
 
 
 def train_step(model, optimizer, x, y, device_type: str) -> torch.Tensor:
@@ -45,6 +48,43 @@ def train_step(model, optimizer, x, y, device_type: str) -> torch.Tensor:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """Step times of one ``--wgrad`` mode over the interleaved rounds."""
+
+    ms: list[float]
+    """Mean ms per step of each round."""
+    loss: float
+    """Loss of the last step."""
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms)
+
+
+def step_times(preset: str, modes: list[str], device: torch.device, *, batch_size: int, rounds: int, steps: int,
+               process_group: dist.ProcessGroup | None = None) -> dict[str, StepTimes]:
+    """The ``modes`` of one preset built side by side (on ``process_group``, one rank) and timed in
+    ``rounds`` interleaved rounds of 2 warm-up + ``steps`` timed steps each."""
+    cfg = PRESETS[preset]
+    runs = {m: build(preset, m, device, process_group=process_group) for m in modes}
+    gen = torch.Generator().manual_seed(0)
+    times, losses = {m: [] for m in modes}, {}
+    for _ in range(rounds):
+        for m, (model, optimizer) in runs.items():
+            batches = [torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len), generator=gen).to(device)
+                       for _ in range(steps + 2)]
+            for x, y in batches[:2]:
+                train_step(model, optimizer, x, y, device.type)
+            sync(device)
+            t0 = time.perf_counter()
+            for x, y in batches[2:]:
+                losses[m] = train_step(model, optimizer, x, y, device.type)
+            sync(device)
+            times[m].append((time.perf_counter() - t0) / steps * 1e3)
+    return {m: StepTimes(times[m], losses[m].item()) for m in modes}
 
 
 def main() -> None:
@@ -70,28 +110,13 @@ def main() -> None:
             "| --- | --- | --- | --- | --- | --- |"]
     for preset in args.presets.split(","):
         cfg = PRESETS[preset]
-        runs = {m: build(preset, m, device) for m in modes}
-        gen = torch.Generator().manual_seed(0)
-        times, losses = {m: [] for m in modes}, {}
-        for _ in range(args.rounds):
-            for m, (model, optimizer) in runs.items():
-                batches = [torch.randint(cfg.vocab_size, (2, args.batch_size, cfg.seq_len), generator=gen).to(device)
-                           for _ in range(args.steps + 2)]
-                for x, y in batches[:2]:
-                    train_step(model, optimizer, x, y, device.type)
-                sync(device)
-                t0 = time.perf_counter()
-                for x, y in batches[2:]:
-                    losses[m] = train_step(model, optimizer, x, y, device.type)
-                sync(device)
-                times[m].append((time.perf_counter() - t0) / args.steps * 1e3)
-        base = statistics.median(times["none"])
-        for m in modes:
-            med = statistics.median(times[m])
-            rows.append(f"| {preset} | {m} | {med:.1f} ({min(times[m]):.1f}-{max(times[m]):.1f}) | "
-                        f"{args.batch_size * cfg.seq_len / med:.0f} | {med / base:.2f} | {losses[m].item():.3f} |")
+        results = step_times(preset, modes, device, batch_size=args.batch_size, rounds=args.rounds, steps=args.steps)
+        base = results["none"].median_ms
+        for m, r in results.items():
+            rows.append(f"| {preset} | {m} | {r.median_ms:.1f} ({min(r.ms):.1f}-{max(r.ms):.1f}) | "
+                        f"{args.batch_size * cfg.seq_len / r.median_ms:.0f} | {r.median_ms / base:.2f} | {r.loss:.3f} |")
             print(rows[-1], flush=True)
-        del runs
+        del results
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.destroy_process_group()

@@ -10,25 +10,66 @@ everything between two forwards. Steps are timed back to back (one device sync p
 ``--iters`` steps) so a param all-gather overlapped with the next forward counts as hidden.
 JSON lines on rank 0:
   torch_ddp   torch DDP (bf16 grads, gradient_as_bucket_view) + torch.optim.AdamW(fused=True)
+  aligndp_ddp aligndp parallelize(sharding="none") + fused AdamW (ZeRO-1 should never be slower)
   zero1       aligndp parallelize(sharding="zero1"), per overlap_param_gather setting; ratio = zero1 / torch
   state       optimizer bytes per rank (fp32 masters + AdamW state) against total / dp_size
 """
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _bench import Timing, add_common_arguments, build_gpt, device_label, init, log
 
 import aligndp
-from _bench import add_common_arguments, device_label, init, log, timed
-from aligndp.models.gpt import GPT, PRESETS
+from aligndp.models.gpt import PRESETS
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (exp_avg, exp_avg_sq, step)."""
     return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def torch_ddp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing) -> tuple[float, int]:
+    """Seconds per torch DDP (bf16 grads, gradient_as_bucket_view) + fused AdamW step, and the
+    optimizer's state bytes per rank."""
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def torch_step() -> None:
+        ddp(idx, idx).backward()
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+
+    return timing(torch_step), state_bytes(torch_opt)
+
+
+def aligndp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, sharding: str, bucket_numel: int,
+                       grad_dtype: torch.dtype | None = None, overlap_param_gather: bool = False,
+                       inspect: Callable | None = None) -> tuple[float, int]:
+    """Seconds per ``parallelize(sharding=..., fused=True)`` AdamW step (fwd + bwd + step +
+    zero_grad) and the number of buckets; ``inspect(model, opt)`` runs after timing, before
+    the hooks are removed."""
+    ours, opt = aligndp.parallelize(model, sharding=sharding, lr=1e-4, bucket_numel=bucket_numel,
+                                    grad_dtype=grad_dtype, overlap_param_gather=overlap_param_gather, fused=True)
+
+    def step() -> None:
+        ours(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        seconds = timing(step)
+        if inspect is not None:
+            inspect(ours, opt)
+        return seconds, sum(len(layout.buckets) for layout in ours.layouts)
+    finally:
+        opt.gather.wait_all()
+        ours.remove_hooks()
+        opt.gather.remove_hooks()
 
 
 def main() -> None:
@@ -42,59 +83,41 @@ def main() -> None:
 
     device, dtype = init(args.device)
     cuda = device.type == "cuda"
+    timing = Timing(device, args.iters, args.warmup)
     cfg = PRESETS[args.preset]
     ws = dist.get_world_size()
     log(what="env", torch=torch.__version__, world_size=ws, device=device_label(device),
         preset=args.preset, batch=args.batch, seq_len=cfg.seq_len, dtype=str(dtype))
 
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return GPT(cfg).to(device=device, dtype=dtype)
-
     gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
     idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device, generator=gen)
 
+    def make() -> nn.Module:
+        return build_gpt(args.preset, device, dtype)
+
     model = make()
     nparams = sum(p.numel() for p in model.parameters())
-    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def torch_step() -> None:
-        ddp(idx, idx).backward()
-        torch_opt.step()
-        torch_opt.zero_grad(set_to_none=True)
-
-    t_torch = timed(torch_step, device=device, iters=args.iters, warmup=args.warmup)
-    torch_state = state_bytes(torch_opt)
+    t_torch, torch_state = torch_ddp_adamw_step(model, idx, timing)
     log(what="torch_ddp", params=nparams, step_ms=t_torch * 1e3, optimizer_state_bytes=torch_state)
-    del ddp, torch_opt, model
+    del model
     if cuda:
         torch.cuda.empty_cache()
 
     grad_dtype = torch.float32 if args.grad_dtype == "fp32" else None
+    t, buckets = aligndp_adamw_step(make(), idx, timing, sharding="none", bucket_numel=args.bucket_numel,
+                                    grad_dtype=grad_dtype)
+    log(what="aligndp_ddp", bucket_numel=args.bucket_numel, buckets=buckets, step_ms=t * 1e3, ratio=t / t_torch)
     best = None
     for overlap_param_gather in (False, True):
-        ours, opt = aligndp.parallelize(make(), sharding="zero1", lr=1e-4, bucket_numel=args.bucket_numel,
-                                        grad_dtype=grad_dtype, overlap_param_gather=overlap_param_gather,
-                                        fused=True)
-
-        def zero1_step() -> None:
-            ours(idx, idx).backward()
-            opt.step()
-            opt.zero_grad()
-
-        t = timed(zero1_step, device=device, iters=args.iters, warmup=args.warmup)
-        best = t if best is None else min(best, t)
-        log(what="zero1", overlap_param_gather=overlap_param_gather, bucket_numel=args.bucket_numel,
-            buckets=sum(len(layout.buckets) for layout in ours.layouts), step_ms=t * 1e3, ratio=t / t_torch)
-        if overlap_param_gather:
-            report_state(opt, ours, nparams=nparams, ws=ws)
-        opt.gather.wait_all()
-        ours.remove_hooks()
-        opt.gather.remove_hooks()
-        del ours, opt
         if cuda:
             torch.cuda.empty_cache()
+        inspect = (lambda m, o: report_state(o, m, nparams=nparams, ws=ws)) if overlap_param_gather else None
+        t, buckets = aligndp_adamw_step(make(), idx, timing, sharding="zero1", bucket_numel=args.bucket_numel,
+                                        grad_dtype=grad_dtype, overlap_param_gather=overlap_param_gather,
+                                        inspect=inspect)
+        best = t if best is None else min(best, t)
+        log(what="zero1", overlap_param_gather=overlap_param_gather, bucket_numel=args.bucket_numel,
+            buckets=buckets, step_ms=t * 1e3, ratio=t / t_torch)
     log(what="summary", ratio=best / t_torch, goal=0.95, met=best / t_torch <= 0.95)
     dist.destroy_process_group()
 
