@@ -1,10 +1,20 @@
-"""Fused MXFP8 wgrad inside DataParallel (gloo): equal to the unfused path in every buffer mode.
+"""Fused MXFP8 wgrad inside DataParallel (gloo) against one process on the global batch.
 
 [Note: fused wgrad] in aligndp/fused.py: an MXLinear bound to the DataParallel sink
 accumulates its weight gradient straight into ``main_grad`` and only marks the param ready.
-The unfused reference is the same MX model with the sink unbound, so autograd produces the
-weight gradient and the DDP hook copies it into the buffer: both must reduce to the same
-gradients, micro-batches (``no_sync``) included.
+
+Reference: the same MX model (reference backend, plain autograd, no DataParallel) in one
+process on the global batch. Comparing with one process rather than with the same
+DataParallel unfused is what makes a reduction bug visible (a sum instead of a mean, a
+bucket's collective skipped, a fused weight never marked ready so its bucket launches before
+its wgrad lands): such bugs would cancel between two runs through the same collectives.
+
+Exactness: MXFP8 blocks run along tokens in the wgrad. Every micro-batch holds 32 tokens (one
+block) and the global batch is the ranks' micro-batches concatenated, so the one-process GEMM
+sees the same blocks. Each rank's loss is its tokens' summed cross-entropy / its token count,
+and the reference uses that same per-token weight and divides its grads by the world size
+afterwards: each quantised operand is then identical on both sides (MX scales are relative,
+but a factor such as 1/3 would change the roundings) and only fp32 summation order differs.
 """
 from __future__ import annotations
 
@@ -19,14 +29,16 @@ from aligndp.layout import Mode
 from aligndp.mx import MXLinear, convert_to_mxfp8
 from tests._dist import case, make_tests
 
-TOKENS, DIM, HIDDEN, CLASSES = 64, 64, 96, 10
+TOKENS, DIM, HIDDEN, CLASSES = 64, 64, 96, 10  # TOKENS per rank: 2 micro-batches of 32 (one MX block)
+MICRO = 32
+STEPS = 3  # step 0 learns readiness; steps 1 and 2 launch every bucket during backward
 
 
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.fc2 = nn.Linear(HIDDEN, DIM, bias=False)  # alone in its bucket: see check_against_one_process
         self.head = nn.Linear(DIM, CLASSES)  # 10 outputs: not an MX shape, stays nn.Linear
 
     def forward(self, x):
@@ -41,90 +53,83 @@ def make_mx_model() -> nn.Module:
     return model
 
 
-def micro_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(TOKENS, DIM, generator=g), torch.randint(0, CLASSES, (TOKENS,), generator=g))
-            for _ in range(3)]
+def global_batch(step: int, ws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ws * TOKENS, DIM, generator=g), torch.randint(0, CLASSES, (ws * TOKENS,), generator=g)
 
 
-def reduced_grads(model: DataParallel, rank: int) -> list[torch.Tensor]:
-    """The part of every gradient buffer this rank holds reduced values for."""
-    out = []
-    for buf in model.flat_buffers:
-        for b in range(len(buf.layout.buckets)):
-            lo, hi = buf.layout.shard_range(b, rank)
-            out.append(buf.grad_data[lo:hi])
-    return out
+def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over ``x``'s tokens / TOKENS: per token, what a rank's mean loss weighs."""
+    return F.cross_entropy(model(x), y, reduction="sum") / TOKENS
 
 
-def run_step(model: DataParallel, rank: int, *, fused: bool) -> None:
+def one_process_grads(step: int, ws: int) -> dict[str, torch.Tensor]:
+    """The global batch's mean-loss gradients, unfused, in this one process."""
+    model = make_mx_model()
+    token_loss(model, *global_batch(step, ws)).backward()
+    return {n: p.grad / ws for n, p in model.named_parameters()}
+
+
+def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
+    # buckets in backward order: [head.bias, head.weight], [fc2.weight], [fc1.bias, fc1.weight].
+    # fc2.weight, alone and bias-free, is ready only through the fused mark_ready: were it not
+    # counted, its bucket would launch as soon as the head's did, before its wgrad lands.
+    # Layer-wise mode, as parallelize(optimizer="muon") uses it: the MX matrices layer-wise
+    # (one bucket: whole params per shard), the rest sharded.
+    modes = {n: mode if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight") else Mode.SHARDED
+             for n, _ in make_mx_model().named_parameters()}
+    model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=500, overlap=True), modes=modes)
     weights = [m.weight for _, m in fused_wgrad_modules(model.module)]
-    batches = micro_batches(rank)
-    for i, (x, y) in enumerate(batches):
-        loss = F.cross_entropy(model(x), y) / len(batches)
-        if i < len(batches) - 1:
-            with model.no_sync():
-                loss.backward()
-        else:
-            loss.backward()
-        if fused:
-            assert all(w.grad is None for w in weights), "a fused wgrad must not allocate param.grad"
-    model.finish_grad_sync()
-
-
-def check_mode(mode: Mode) -> None:
-    rank = dist.get_rank()
-    config = DDPConfig(bucket_numel=4000)
-    fused_model = make_mx_model()
-    modes = {n: mode for n, _ in fused_model.named_parameters()}
-    fused = DataParallel(fused_model, config=config, modes=modes)
-    plain = DataParallel(make_mx_model(), config=config, modes=modes)
-    for _, m in fused_wgrad_modules(plain.module):
-        m.bind_grad_sink(None)  # the unfused reference: autograd grads, copied by the DDP hook
-    for buf in fused.flat_buffers:
+    num_buckets = len(model._refs)
+    buckets = [[s.name for s in buf.slots if s.bucket == b] for buf in model.flat_buffers
+               for b in range(len(buf.layout.buckets))]
+    if mode is Mode.LAYERWISE:
+        assert num_buckets >= 2 and {layout.mode for layout in model.layouts} == {Mode.LAYERWISE, Mode.SHARDED}
+    else:
+        assert ["fc2.weight"] in buckets and num_buckets == 3, buckets
+    for buf in model.flat_buffers:
         for view in buf.main_grads:
             assert view.data_ptr() % (64 * view.element_size()) == 0, "MXFP8 wgrad needs 64-element starts"
-    for step in range(2):  # step 0 learns readiness, step 1 overlaps (fused mark_ready must count)
-        fused.zero_grad_buffer()
-        plain.zero_grad_buffer()
-        run_step(fused, rank, fused=True)
-        run_step(plain, rank, fused=False)
-        launched = len(fused._works)
-        assert launched == len(fused._refs)
-        for a, b in zip(reduced_grads(fused, rank), reduced_grads(plain, rank)):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"{mode.value} step {step}: {m}")
-        assert any(g.abs().sum() > 0 for g in reduced_grads(fused, rank))
-
-
-@case(2, 3)
-def case_fused_equals_unfused_replicated(rank, ws):
-    check_mode(Mode.REPLICATED)
-
-
-@case(2, 3)
-def case_fused_equals_unfused_sharded(rank, ws):
-    check_mode(Mode.SHARDED)
-
-
-@case(2, 3)
-def case_fused_equals_unfused_layerwise(rank, ws):
-    check_mode(Mode.LAYERWISE)
-
-
-@case(2)
-def case_fused_wgrad_overlaps_after_the_first_step(rank, ws):
-    """mark_ready from the fused kernel counts toward readiness: from step 1 on, every bucket
-    launches during backward, none waits for finish_grad_sync."""
-    model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=2000))
-    assert len(model._refs) > 1
-    for step in range(2):
+    for step in range(STEPS):
         model.zero_grad_buffer()
-        x, y = micro_batches(rank)[0]
-        F.cross_entropy(model(x), y).backward()
+        x, y = global_batch(step, ws)
+        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        x, y = x[mine], y[mine]
+        with model.no_sync():
+            token_loss(model, x[:MICRO], y[:MICRO]).backward()
+        token_loss(model, x[MICRO:], y[MICRO:]).backward()
+        assert all(w.grad is None for w in weights), "a fused wgrad must not allocate param.grad"
         launched_in_backward = len(model._works)
         model.finish_grad_sync()
-        if step == 1:
-            assert launched_in_backward == len(model._refs)
+        if step > 0:
+            assert launched_in_backward == num_buckets, (
+                f"step {step}: {launched_in_backward} of {num_buckets} buckets launched during backward")
+        ref = one_process_grads(step, ws)
+        for buf in model.flat_buffers:
+            expected = torch.zeros_like(buf.grad_data)
+            for slot in buf.slots:
+                expected[slot.start:slot.end] = ref[slot.name].flatten()
+            for b in range(len(buf.layout.buckets)):
+                lo, hi = buf.layout.shard_range(b, rank)  # the part this rank holds reduced
+                torch.testing.assert_close(
+                    buf.grad_data[lo:hi], expected[lo:hi], rtol=1e-5, atol=1e-7,
+                    msg=lambda m: f"{mode.value} step {step} bucket {b}: {m}")
+    model.remove_hooks()
+
+
+@case(2, 3)
+def case_fused_replicated_matches_one_process(rank, ws):
+    check_against_one_process(Mode.REPLICATED, rank=rank, ws=ws)
+
+
+@case(2, 3)
+def case_fused_sharded_matches_one_process(rank, ws):
+    check_against_one_process(Mode.SHARDED, rank=rank, ws=ws)
+
+
+@case(2, 3)
+def case_fused_layerwise_matches_one_process(rank, ws):
+    check_against_one_process(Mode.LAYERWISE, rank=rank, ws=ws)
 
 
 make_tests(globals())
