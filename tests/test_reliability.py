@@ -62,6 +62,11 @@ def on_rank0(fn) -> None:
     dist.barrier()
 
 
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def one_line(e: BaseException) -> str:
     text = str(e)
     assert "\n" not in text, f"not one line: {text!r}"
@@ -189,15 +194,16 @@ def case_save_onto_a_file_refuses_and_keeps_it(rank, ws):
     """aligndp.save onto an existing regular file renamed it to <file>.old."""
     model, opt = aligndp.parallelize(small(), lr=0.1)
     path = where("notes.txt", ws)
-    on_rank0(lambda: open(path, "w").write("my notes"))
+    on_rank0(lambda: write(path, "my notes"))
     with pytest.raises(ValueError, match="which is a file; aligndp never deletes or renames your files"):
         aligndp.save(path, model, opt)
-    assert open(path).read() == "my notes" and not os.path.exists(path + ".old")
+    with open(path) as f:
+        assert f.read() == "my notes" and not os.path.exists(path + ".old")
     folder = where("photos", ws)
 
     def user_dir():
         os.makedirs(folder)
-        open(os.path.join(folder, "cat.jpg"), "w").write("meow")
+        write(os.path.join(folder, "cat.jpg"), "meow")
 
     on_rank0(user_dir)
     with pytest.raises(ValueError, match="a directory that is not an aligndp checkpoint"):
@@ -248,13 +254,13 @@ DAMAGES = {
     "missing shard": (lambda p: os.remove(os.path.join(p, "__0_0.distcp")), "__0_0.distcp' is missing"),
     "truncated .metadata": (lambda p: _truncate(os.path.join(p, ".metadata")), r"\.metadata' is damaged"),
     "missing .metadata": (lambda p: os.remove(os.path.join(p, ".metadata")), r"\.metadata' is missing"),
-    "empty aligndp.json": (lambda p: open(os.path.join(p, "aligndp.json"), "w").close(),
+    "empty aligndp.json": (lambda p: write(os.path.join(p, "aligndp.json"), ""),
                            "aligndp.json' is damaged: empty"),
-    "corrupt aligndp.json": (lambda p: open(os.path.join(p, "aligndp.json"), "w").write("{\"step\": 3,"),
+    "corrupt aligndp.json": (lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3,'),
                              "aligndp.json' is damaged: not valid JSON"),
-    "aligndp.json without shapes": (lambda p: open(os.path.join(p, "aligndp.json"), "w").write("{\"step\": 3}"),
+    "aligndp.json without shapes": (lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3}'),
                                     r"lacks \['shapes'\]"),
-    "path is a file": (lambda p: (shutil.rmtree(p), open(p, "w").close()), "is a file, not an aligndp checkpoint"),
+    "path is a file": (lambda p: (shutil.rmtree(p), write(p, "")), "is a file, not an aligndp checkpoint"),
     "missing directory": (lambda p: shutil.rmtree(p), "the path does not exist"),
 }
 
@@ -273,7 +279,7 @@ def case_every_damaged_checkpoint_is_one_line_naming_the_file(rank, ws):
     aligndp.save(good, model, opt, step=1)
     for index, (label, (damage, pattern)) in enumerate(DAMAGES.items()):
         path = where(f"damaged-{index}", ws)
-        on_rank0(lambda: (shutil.copytree(good, path), damage(path)))
+        on_rank0(lambda path=path, damage=damage: (shutil.copytree(good, path), damage(path)))
         with pytest.raises(ValueError, match=pattern) as info:
             aligndp.load(path, model, opt)
         one_line(info.value)
