@@ -177,6 +177,24 @@ def test_validate_names_a_param_with_the_wrong_owner():
         validate(_with_param(layout, "a", owner=0))
 
 
+def test_every_bucket_closes_at_bucket_numel():
+    # reverse order e, d, c, b, a (100 elements each, 1-element starts): e + d = 200 >= 150 closes
+    # bucket 0, c + b = 200 closes bucket 1 (the count restarts at every bucket), a is bucket 2.
+    layout = plan_layout([ParamSpec(n, (100,)) for n in "abcde"], bucket_numel=150, start_alignment=1)
+    assert {p.name: p.bucket for p in layout.params} == {"e": 0, "d": 0, "c": 1, "b": 1, "a": 2}
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 200), (200, 400), (400, 500)]
+
+
+def test_validate_names_a_sharded_bucket_that_does_not_split_into_equal_shards():
+    # dp 2, sharded: b [0, 100), a [128, 228); the bucket is padded to a multiple of 2 x 128 = 256.
+    # Cutting it to 255 elements leaves shards of unequal length.
+    layout = plan_layout([ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="sharded")
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 256)]
+    broken = dataclasses.replace(layout, buckets=(dataclasses.replace(layout.buckets[0], end=255),))
+    with pytest.raises(ValueError, match=r"bucket 0 has 255 elements, not a multiple of dp_size 2.*equal shards"):
+        validate(broken)
+
+
 def test_validate_checks_requirements_given_later():
     layout = plan_layout([ParamSpec("a", (97,)), ParamSpec("b", (103,))], start_alignment=1)
     with pytest.raises(ValueError, match=r"param 'a' starts at element 103.*MXFP8"):
