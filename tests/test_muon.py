@@ -246,7 +246,19 @@ def case_param_groups_and_lr_scheduler(rank, ws):
         opt.zero_grad()
     assert opt.param_groups[0]["lr"] == pytest.approx(MUON_LR / 4)
     assert opt.parts[1].inner[0].param_groups[0]["lr"] == pytest.approx(ADAMW_LR / 4)
-    assert "muon" in repr(opt).lower() and opt.imbalance >= 1.0 and 0 <= opt.padding_fraction < 1
+    assert "muon" in repr(opt).lower()
+    # Newton-Schulz cost max(m, n) * min(m, n)**2, by hand: mlp.0 (37x11) and mlp.1 (11x37) cost
+    # 37 * 121 = 4477 each, mix (11x11) 1331. The balanced owners put the two 4477s on different
+    # ranks: costs 4477 + 1331 = 5808 and 4477, mean 5142.5, imbalance 5808 / 5142.5.
+    owned: list[list[str]] = [None] * ws  # type: ignore[list-item]
+    dist.all_gather_object(owned, [opt.parts[0].names[i] for i in opt.parts[0].owned])
+    cost = {"mlp.0.weight": 4477, "mlp.1.weight": 4477, "mix.weight": 1331}
+    per_rank = sorted(sum(cost[n] for n in names) for names in owned)
+    assert per_rank == [4477, 5808], owned
+    assert opt.imbalance == pytest.approx(5808 / 5142.5)
+    real = sum(p.numel() for p in model.module.parameters())
+    allocated = sum(buf.grad_data.numel() for buf in model.flat_buffers)
+    assert opt.padding_fraction == pytest.approx(1 - real / allocated) and allocated > real
 
 
 @case(2)
@@ -354,11 +366,25 @@ def build(sharding: str, bucket_numel: int | None):
 
 @case(2, 4)
 def case_checkpoint_save(rank, ws):
+    """Writes the checkpoints the resume cases read; asserts that what is saved is the
+    one-process state after SAVED_AT steps and that loading it back restores it exactly."""
     with fp32_newton_schulz():
+        ref = Reference(TIED)
+        for step in range(SAVED_AT):
+            ref.step(step)
         for sharding in ("zero1", "none"):
             model, opt = build(sharding, bucket_numel=150)
             train(model, opt, range(SAVED_AT))
+            for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
+                assert rel_error(p, q) <= REL, f"{sharding} dp {ws}: {n} before saving"
             aligndp.save(ckpt(f"muon-{sharding}-dp{ws}"), model, opt, step=SAVED_AT)
+            fresh, fresh_opt = build(sharding, bucket_numel=150)
+            with torch.no_grad():
+                for p in fresh.module.parameters():
+                    p.add_(1.0)
+            assert aligndp.load(ckpt(f"muon-{sharding}-dp{ws}"), fresh, fresh_opt) == SAVED_AT
+            for (n, p), q in zip(fresh.module.named_parameters(), model.module.parameters()):
+                assert torch.equal(p, q), f"{sharding} dp {ws}: {n} not restored by a load at the same dp"
 
 
 def resume_and_compare(saved_dp: int) -> None:
