@@ -78,6 +78,8 @@ def _interrupted_copy(run, out, *, checkpoint_step, last_logged_step):
     """``out`` as a run of ``run`` killed after logging ``last_logged_step`` would leave it:
     only the checkpoint at ``checkpoint_step`` and the metrics up to ``last_logged_step``."""
     (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "run.json", out / "run.json")
+    shutil.copy(run / "checkpoints" / "run.json", out / "checkpoints" / "run.json")
     name = f"step-{checkpoint_step:06d}"
     shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
@@ -89,7 +91,7 @@ def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
     """Killed at step 13 with its last checkpoint at step 10, the run resumes at step 10 and
     logs the losses of the uninterrupted run: identical at the same dp size, and equal to fp32
     summation order when resumed on 1 rank (the checkpoint is resharded)."""
-    assert sorted(os.listdir(two_ranks / "checkpoints")) == ["step-000010", "step-000020"]
+    assert sorted(os.listdir(two_ranks / "checkpoints")) == ["run.json", "step-000010", "step-000020"]
     _interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
     micro = ["--micro-batches", "2"] if nproc == 2 else []
     assert _train([*COMMON, *micro, "--nproc", str(nproc), "--resume"], tmp_path) == 0
@@ -199,7 +201,7 @@ def test_flags_are_pinned():
     assert flags == {
         "--preset", "--steps", "--batch-size", "--micro-batches", "--optimizer", "--sharding", "--wgrad",
         "--lr", "--seed", "--nproc", "--device", "--dtype", "--eval-every", "--checkpoint-dir",
-        "--checkpoint-every", "--resume", "--out", "--data",
+        "--checkpoint-every", "--keep-last", "--resume", "--overwrite", "--out", "--data", "--timeout",
     }
     assert config_from_args(parser.parse_args([])) == TrainConfig()
     config = config_from_args(parser.parse_args(["--batch-size", "12", "--lr", "0.01", "--resume", "--data", "x.bin"]))

@@ -1,7 +1,8 @@
 """`aligndp` / `python -m aligndp`: subcommands `train` and `layout`.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``. User errors (ValueError/TypeError) print one line and exit 2.
+``run(args) -> int``. User errors (ValueError/TypeError) and OSErrors (a file that cannot be
+written) print one line and exit 2; Ctrl-C prints one line and exits 130.
 """
 from __future__ import annotations
 
@@ -31,9 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (ValueError, TypeError) as e:
-        print(f"aligndp {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"aligndp {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"aligndp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line (an OSError without its own words gets its type's)."""
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

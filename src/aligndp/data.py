@@ -148,8 +148,11 @@ class TokenData:
         :meth:`check_vocab` compares their largest token id with the model's vocabulary.
         """
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise ValueError(f"--data {path} is a directory; give one file: text (read as bytes) or a "
+                             "nanoGPT-style .bin of uint16 tokens")
         if not os.path.isfile(path):
-            raise ValueError(f"--data {path}: no such file")
+            raise ValueError(f"--data {path}: no such file (relative paths start at {os.getcwd()})")
         size = os.path.getsize(path)
         if size == 0:
             raise ValueError(f"--data {path}: the file is empty")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 import torch
 
@@ -191,8 +192,22 @@ def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
     return "\n".join(lines)
 
 
+def _png_path(path: str) -> str:
+    """The file ``--png`` writes (matplotlib adds ``.png`` to a name without a suffix), checked
+    before planning so that a bad path is one line, not a traceback after the work."""
+    if os.path.isdir(path):
+        raise ValueError(f"--png {path} is a directory; give a file name, e.g. --png {os.path.join(path, 'layout.png')}")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise ValueError(f"--png {path}: the directory {parent} does not exist; create it first")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     options = _options(args)
+    png = _png_path(args.png) if args.png else None
     layouts = options.plan()
     if args.json:
         print(json.dumps({"buffers": [layout.to_dict() for layout in layouts]}))
@@ -210,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         from aligndp.plot import draw_layout
 
-        draw_layout(layouts, args.png)
+        draw_layout(layouts, png)
         if not args.json:
-            print(f"wrote {args.png}")
+            print(f"wrote {png}")
     return 0
 

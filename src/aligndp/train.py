@@ -68,23 +68,33 @@ class TrainConfig:
     """Where checkpoints go (default: OUT/checkpoints)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: never)."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints (0: keep all)."""
     resume: bool = False
-    """Continue from the latest checkpoint in the checkpoint directory."""
+    """Continue the run in --out from its latest checkpoint (only a run started with the same options)."""
+    overwrite: bool = False
+    """Replace the run that --out (or --checkpoint-dir) holds; without it a fresh run there refuses."""
     out: str = "runs/latest"
-    """Directory for metrics.jsonl, loss.png, layout.png and summary.json."""
+    """Directory for run.json, metrics.jsonl, loss.png, layout.png and summary.json."""
     data: str | None = None
     """Training text: a text file (bytes) or a nanoGPT-style uint16 .bin file (default: embedded synthetic arithmetic)."""
+    timeout: float = 300.0
+    """Seconds a rank waits for the others in a collective (and in save/load) before the run fails."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}: choose one of {', '.join(PRESETS)}")
         for name, lowest in (("steps", 1), ("batch_size", 1), ("micro_batches", 1), ("nproc", 1),
-                             ("eval_every", 0), ("checkpoint_every", 0)):
+                             ("eval_every", 0), ("checkpoint_every", 0), ("keep_last", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise ValueError(f"--{_flag(name)} must be an integer >= {lowest}, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         hints = typing.get_type_hints(TrainConfig)
         for field in dataclasses.fields(self):
             choices = _choices(hints[field.name])
@@ -162,6 +172,7 @@ def preflight(config: TrainConfig) -> None:
     import torch
 
     from aligndp.data import BatchSpec
+    from aligndp.run_dir import check_run_dirs
     from aligndp.train_loop import latest_checkpoint, load_data, wgrad_backend
 
     cfg = PRESETS[config.preset]
@@ -177,6 +188,7 @@ def preflight(config: TrainConfig) -> None:
                 f"--nproc {config.nproc} ranks need {config.nproc} GPUs, torch sees "
                 f"{torch.cuda.device_count()}; use --nproc {torch.cuda.device_count()}"
             )
+    check_run_dirs(config)
     if config.resume and latest_checkpoint(config.checkpoint_path) is None:
         raise ValueError(
             f"--resume but {config.checkpoint_path} holds no checkpoint; run once with "
@@ -204,27 +216,61 @@ def launch_local(entrypoint, nproc: int, *args) -> dict[int, object]:
     return elastic_launch(launch, entrypoint)(*args)
 
 
+def _run_dirs(config: TrainConfig) -> list[str]:
+    """Directories this run writes: --out, and the checkpoint directory when it has one."""
+    dirs = [config.out]
+    if (config.checkpoint_every or config.resume) and config.checkpoint_path not in dirs:
+        dirs.append(config.checkpoint_path)
+    return dirs
+
+
 def train(config: TrainConfig) -> dict:
     """Train as ``config`` says and return the summary (a dict; see train_report.Summary).
 
     Inside torchrun: this process is one rank of the job. Otherwise: ``config.nproc`` ranks are
     launched (one rank runs in this process, no launch). NotImplementedError from the engine
-    (an option combination not built yet) comes back as a ValueError.
+    (an option combination not built yet) comes back as a ValueError. The process that owns
+    the run (this one, or torchrun's rank 0) holds the run directories' locks and writes
+    their run.json ([Note: run directories] in run_dir.py).
     """
+    from aligndp.run_dir import RunLock, check_run_dirs, clear_outputs, write_run_files
     from aligndp.train_loop import train_worker
 
     if _inside_torchrun():
         config = dataclasses.replace(config, nproc=int(os.environ["WORLD_SIZE"]))
-    preflight(config)
-    if _inside_torchrun() or config.nproc == 1:
-        result = train_worker(config)
-    else:
-        from aligndp.train_loop import launched_worker
+    check_run_dirs(config)  # before taking a lock, so a refused run leaves nothing behind
+    owner = not _inside_torchrun() or int(os.environ["RANK"]) == 0
+    locks: list[RunLock] = []
+    try:
+        if owner:
+            locks = [RunLock(d).acquire() for d in _run_dirs(config)]
+        preflight(config)  # again under the lock: another run may have written there meanwhile
+        if owner:
+            if config.overwrite:
+                for directory in {config.out, config.checkpoint_path}:
+                    clear_outputs(directory)
+            write_run_files(config, _run_dirs(config))
+        if _inside_torchrun() or config.nproc == 1:
+            result = train_worker(config)
+        else:
+            from aligndp.train_loop import launched_worker
 
-        result = launch_local(launched_worker, config.nproc, config)[0]
+            result = launch_local(launched_worker, config.nproc, config)[0]
+    finally:
+        for lock in locks:
+            lock.release()
     if "error" in result:
         raise ValueError(result["error"])
     return result
+
+
+_SIGNALS = {2: "SIGINT", 6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+
+
+def _describe(failure) -> str:
+    code = failure.exitcode
+    how = f"killed by {_SIGNALS.get(-code, f'signal {-code}')}" if code < 0 else f"exit status {code}"
+    return f"rank {failure.local_rank} ({how})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,9 +279,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         train(config_from_args(args))
     except ChildFailedError as e:
-        # the failed rank's traceback is already printed above by the launcher
-        ranks = ", ".join(str(f.local_rank) for f in e.failures.values())
-        print(f"aligndp train: rank(s) {ranks} failed; their traceback is above", file=sys.stderr)
+        failures = sorted(e.failures.values(), key=lambda f: f.local_rank)
+        if all(f.exitcode in (130, -2) for f in failures):
+            raise KeyboardInterrupt from None
+        print(f"aligndp train: error: {', '.join(_describe(f) for f in failures)} failed; a rank's traceback, "
+              "if it wrote one, is above", file=sys.stderr)
         return 1
     return 0
-

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import re
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import aligndp
+from aligndp.checkpoint import prune_checkpoints
 from aligndp.data import BatchSpec, TokenData
 from aligndp.models.gpt import GPT, PRESETS
 from aligndp.train import TrainConfig
@@ -85,10 +88,18 @@ def _device(config: TrainConfig) -> torch.device:
 
 
 def launched_worker(config: TrainConfig) -> dict:
-    """Entry point of a rank started by the elastic launcher: one thread per rank's share of cores."""
+    """Entry point of a rank started by the elastic launcher: one thread per rank's share of cores.
+
+    Ctrl-C reaches every rank too: a rank leaves quietly with status 130 and the launching
+    process prints the one line.
+    """
     if config.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))
-    return train_worker(config)
+    try:
+        return train_worker(config)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        os._exit(130)
 
 
 def train_worker(config: TrainConfig) -> dict:
@@ -97,10 +108,11 @@ def train_worker(config: TrainConfig) -> dict:
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if config.device == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=config.timeout)  # not torch's 10/30 minutes: --timeout
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         return _train(config)
     finally:
@@ -187,7 +199,9 @@ def _evaluate(job: _Job) -> float:
 
 def _checkpoint(job: _Job, step: int) -> None:
     path = os.path.join(job.config.checkpoint_path, f"step-{step:06d}")
-    aligndp.save(path, job.model, job.optimizer, step=step)
+    aligndp.save(path, job.model, job.optimizer, step=step, timeout=job.config.timeout)
+    if job.config.keep_last and job.rank == 0:
+        prune_checkpoints(job.config.checkpoint_path, job.config.keep_last)
 
 
 def _train(config: TrainConfig) -> dict:
@@ -196,7 +210,8 @@ def _train(config: TrainConfig) -> dict:
         job = _setup(config)
         start_step = 0
         if config.resume:
-            start_step = aligndp.load(latest_checkpoint(config.checkpoint_path), job.model, job.optimizer)
+            start_step = aligndp.load(latest_checkpoint(config.checkpoint_path), job.model, job.optimizer,
+                                      timeout=config.timeout)
     except NotImplementedError as e:
         # Raised alike on every rank (it depends on the options only): one line, exit 2.
         return {"error": f"not implemented yet: {e}"}
