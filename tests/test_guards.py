@@ -1,9 +1,14 @@
 """Guards for breaks that once passed the whole suite, on paths whose own test files live
-elsewhere (issue 16): ``aligndp train`` must exit non-zero when a rank it launched dies."""
+elsewhere (issue 16): ``aligndp train`` must exit non-zero when a rank it launched dies, and
+``aligndp layout --png`` must draw what the plan says (not just write a PNG header)."""
+import contextlib
+import io
+import json
 import os
 import time
 from unittest import mock
 
+import numpy as np
 import pytest
 
 from aligndp import cli
@@ -32,3 +37,39 @@ def test_train_exits_non_zero_when_a_launched_rank_crashes(how, tmp_path, capsys
     assert code == 1, code
     assert "rank(s) 1 failed" in capsys.readouterr().err
     assert time.monotonic() - start < 60, "rank 0 must be stopped once rank 1 failed"
+
+
+TAB_BLUE, TAB_ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's tab10 colours of ranks 0 and 1
+
+
+def layout_with_png(args: list[str], png: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["layout", *args, "--json", "--png", png]) == 0
+    return json.loads(out.getvalue())
+
+
+def pixels_of(png: str, rgb: tuple[int, int, int]) -> int:
+    import matplotlib.image
+
+    image = (matplotlib.image.imread(png)[..., :3] * 255).round()
+    return int((np.abs(image - np.array(rgb)).max(-1) <= 2).sum())
+
+
+def test_layout_png_draws_each_rank_with_its_share_of_elements(tmp_path):
+    """Layer-wise at dp 2, a 64x64 and a 64x16 matrix: rank 0 owns 4096 elements, rank 1 1024
+    (from the plan's JSON), so the picture's rank-1 colour covers a quarter of rank 0's area
+    (bars are drawn to scale; the legend adds a few pixels of each). Replicated: no rank colours."""
+    png = str(tmp_path / "layerwise.png")
+    plan = layout_with_png(["--shapes", "64x64,64x16", "--dp", "2", "--mode", "layerwise"], png)
+    owned = [0, 0]
+    for buffer in plan["buffers"]:
+        for p in buffer["params"]:
+            owned[p["owner"]] += p["end"] - p["start"]
+    assert owned == [4096, 1024]
+    blue, orange = pixels_of(png, TAB_BLUE), pixels_of(png, TAB_ORANGE)
+    assert blue > 10_000, "rank 0's params are not drawn"
+    assert orange / blue == pytest.approx(owned[1] / owned[0], rel=0.05)
+    replicated = str(tmp_path / "replicated.png")
+    layout_with_png(["--shapes", "64x64,64x16", "--dp", "2", "--mode", "replicated"], replicated)
+    assert pixels_of(replicated, TAB_ORANGE) == 0 and pixels_of(replicated, TAB_BLUE) > 10_000
