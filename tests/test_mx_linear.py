@@ -118,8 +118,15 @@ def test_matches_nn_linear_within_mxfp8_error():
 def test_matches_torchao_mx_emulation_exactly():
     """All three GEMMs equal a float32 matmul of operands quantised by torchao (an independent
     MXFP8 quantiser), each along its GEMM's contraction dim, to fp32 rounding; 120 tokens
-    (padded to 128 for the wgrad)."""
+    (padded to 128 for the wgrad). The weight gets row and column scales 2**-4 .. 2**3: with
+    nn.Linear's uniform init every block of 32 has the same scale whichever dim it runs along,
+    which would hide a GEMM quantising the weight along the wrong dim."""
     lin, mxl = make()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        lin.weight.mul_(torch.exp2(torch.randint(-4, 4, (96, 1), generator=gen).float())
+                        * torch.exp2(torch.randint(-4, 4, (1, 64), generator=gen).float()))
+        mxl.weight.copy_(lin.weight)
     x = torch.randn(3, 40, 64, requires_grad=True)
     g = torch.randn(3, 40, 96)
     y = mxl(x)
