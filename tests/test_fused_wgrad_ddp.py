@@ -78,8 +78,14 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
     # (one bucket: whole params per shard), the rest sharded.
     modes = {n: mode if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight") else Mode.SHARDED
              for n, _ in make_mx_model().named_parameters()}
-    model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=500, overlap=True), modes=modes)
+    # start_alignment=1: only the MX layers' declared requirement can give 64-element starts
+    model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=500, overlap=True, start_alignment=1),
+                         modes=modes)
     weights = [m.weight for _, m in fused_wgrad_modules(model.module)]
+    assert len(weights) == 2
+    autograd_wgrads = []  # a fused weight gets no autograd gradient: its wgrad goes to main_grad
+    hooks = [w.register_hook(lambda g, i=i: autograd_wgrads.append(i) if g is not None else None)
+             for i, w in enumerate(weights)]
     num_buckets = len(model._refs)
     buckets = [[s.name for s in buf.slots if s.bucket == b] for buf in model.flat_buffers
                for b in range(len(buf.layout.buckets))]
@@ -88,8 +94,9 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
     else:
         assert ["fc2.weight"] in buckets and num_buckets == 3, buckets
     for buf in model.flat_buffers:
-        for view in buf.main_grads:
-            assert view.data_ptr() % (64 * view.element_size()) == 0, "MXFP8 wgrad needs 64-element starts"
+        for slot, view in zip(buf.slots, buf.main_grads):
+            if slot.name in ("fc1.weight", "fc2.weight"):
+                assert view.data_ptr() % (64 * view.element_size()) == 0, "MXFP8 wgrad needs 64-element starts"
     for step in range(STEPS):
         model.zero_grad_buffer()
         x, y = global_batch(step, ws)
@@ -99,6 +106,7 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
             token_loss(model, x[:MICRO], y[:MICRO]).backward()
         token_loss(model, x[MICRO:], y[MICRO:]).backward()
         assert all(w.grad is None for w in weights), "a fused wgrad must not allocate param.grad"
+        assert not autograd_wgrads, "the fused weights got autograd gradients: the sink was not bound"
         launched_in_backward = len(model._works)
         model.finish_grad_sync()
         if step > 0:
@@ -114,6 +122,8 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
                 torch.testing.assert_close(
                     buf.grad_data[lo:hi], expected[lo:hi], rtol=1e-5, atol=1e-7,
                     msg=lambda m: f"{mode.value} step {step} bucket {b}: {m}")
+    for h in hooks:
+        h.remove()
     model.remove_hooks()
 
 
