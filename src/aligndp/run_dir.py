@@ -28,6 +28,7 @@ __all__ = [
     "OUTPUTS",
     "RUN_FILE",
     "RunLock",
+    "check_not_files",
     "check_run_dirs",
     "clear_outputs",
     "write_run_files",
@@ -70,11 +71,16 @@ def _holds_a_run(directory: str) -> bool:
     return bool(names & {"metrics.jsonl", "summary.json", RUN_FILE}) or latest_checkpoint(directory) is not None
 
 
-def check_run_dirs(config) -> None:
-    """Refuse a fresh run into a directory that holds a run, and a resume of another run."""
+def check_not_files(config) -> None:
+    """--out and --checkpoint-dir are directories (or do not exist yet)."""
     for flag, directory in (("--out", config.out), ("--checkpoint-dir", config.checkpoint_path)):
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise ValueError(f"{flag} {directory} is a file; give a directory (created if missing)")
+
+
+def check_run_dirs(config) -> None:
+    """Refuse a fresh run into a directory that holds a run, and a resume of another run."""
+    check_not_files(config)
     directories = [("--out", config.out)]
     if config.checkpoint_path != os.path.join(config.out, "checkpoints"):
         directories.append(("--checkpoint-dir", config.checkpoint_path))

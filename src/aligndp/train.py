@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import signal
 import sys
 import textwrap
 import typing
@@ -206,7 +207,11 @@ def launch_local(entrypoint, nproc: int, *args) -> dict[int, object]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # the launcher's own warnings ("Received 2 death signal ...") would double our one-line
+    # errors; each of its modules sets its logger's level, so set them all
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=f"aligndp-{uuid.uuid4().hex[:8]}",
@@ -233,18 +238,18 @@ def train(config: TrainConfig) -> dict:
     the run (this one, or torchrun's rank 0) holds the run directories' locks and writes
     their run.json ([Note: run directories] in run_dir.py).
     """
-    from aligndp.run_dir import RunLock, check_run_dirs, clear_outputs, write_run_files
+    from aligndp.run_dir import RunLock, check_not_files, clear_outputs, write_run_files
     from aligndp.train_loop import train_worker
 
     if _inside_torchrun():
         config = dataclasses.replace(config, nproc=int(os.environ["WORLD_SIZE"]))
-    check_run_dirs(config)  # before taking a lock, so a refused run leaves nothing behind
+    check_not_files(config)  # before a lock creates a directory
     owner = not _inside_torchrun() or int(os.environ["RANK"]) == 0
     locks: list[RunLock] = []
     try:
         if owner:
             locks = [RunLock(d).acquire() for d in _run_dirs(config)]
-        preflight(config)  # again under the lock: another run may have written there meanwhile
+        preflight(config)  # under the lock: what --out holds cannot change under us
         if owner:
             if config.overwrite:
                 for directory in {config.out, config.checkpoint_path}:
@@ -274,10 +279,16 @@ def _describe(failure) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         train(config_from_args(args))
+    except SignalException as e:  # the launcher turns SIGINT/SIGTERM into this
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        print(f"aligndp train: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         failures = sorted(e.failures.values(), key=lambda f: f.local_rank)
         if all(f.exitcode in (130, -2) for f in failures):

@@ -1,0 +1,187 @@
+"""`aligndp train` and its run directory: run.json, --overwrite, --resume of its own run only,
+a lock against two runs in one --out, and every failure as one line (exit 2; Ctrl-C 130).
+
+Before: --resume took the highest step-N in --out even from an earlier, different run (the
+metrics ended as steps 0,1,2,3,6,7); a fresh run wrote over another run's files; two runs
+into one --out both exited 0 with interleaved metrics; --out that is a file and Ctrl-C were
+tracebacks; a rank killed by a signal was reported as "their traceback is above".
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aligndp import cli
+from aligndp.run_dir import LOCK_FILE, RunLock
+from aligndp.train_report import read_metrics
+
+QUICK = ["--steps", "4", "--batch-size", "8", "--eval-every", "0", "--nproc", "1"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(*args: str, out) -> int:
+    return cli.main(["train", *QUICK, *args, "--out", str(out)])
+
+
+def error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s" not in line]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_fresh_run_into_another_run_refuses_and_overwrite_keeps_user_files(tmp_path, capsys):
+    assert train("--checkpoint-every", "2", out=tmp_path) == 0
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["config"]["steps"] == 4 and len(run["run_id"]) == 12
+    (tmp_path / "my-notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert train(out=tmp_path) == 2
+    line = error_line(capsys)
+    assert f"--out {tmp_path} holds another run (run {run['run_id']}" in line, line
+    assert "pass --resume to continue it, --overwrite to replace it" in line
+    assert train("--overwrite", "--lr", "0.01", out=tmp_path) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] != run["run_id"]
+    assert (tmp_path / "my-notes.txt").read_text() == "mine"
+    assert not (tmp_path / "checkpoints" / "step-000002").exists(), "the old run's checkpoints must go"
+
+
+def test_resume_refuses_another_runs_checkpoints(tmp_path, capsys):
+    """The earlier run had --lr 0.003; resuming with --lr 0.01 mixed two runs' metrics."""
+    assert train("--checkpoint-every", "2", out=tmp_path) == 0
+    capsys.readouterr()
+    assert train("--checkpoint-every", "2", "--resume", "--lr", "0.01", "--steps", "6", out=tmp_path) == 2
+    line = error_line(capsys)
+    assert "--resume: " in line and "--lr 0.003 there, 0.01 now" in line and "--steps 4 there, 6 now" in line, line
+    os.remove(tmp_path / "checkpoints" / "run.json")
+    os.remove(tmp_path / "run.json")
+    assert train("--checkpoint-every", "2", "--resume", out=tmp_path) == 2
+    assert "has no run.json, so nothing says which run wrote it" in error_line(capsys)
+
+
+def test_resume_of_its_own_run_continues(tmp_path):
+    assert train("--checkpoint-every", "2", out=tmp_path) == 0
+    first = read_metrics(tmp_path / "metrics.jsonl")
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    assert train("--checkpoint-every", "2", "--resume", out=tmp_path) == 0
+    assert read_metrics(tmp_path / "metrics.jsonl") == first  # resumed at its last step: nothing left to do
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == run_id
+
+
+def test_keep_last_keeps_the_newest_checkpoints(tmp_path):
+    assert train("--steps", "8", "--checkpoint-every", "2", "--keep-last", "2", out=tmp_path) == 0
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["run.json", "step-000006", "step-000008"]
+
+
+def test_a_second_run_into_a_locked_out_refuses_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_FILE).write_text(f"{holder.pid} {os.uname().nodename}\n")
+        assert train(out=tmp_path) == 2
+        line = error_line(capsys)
+        assert f"another aligndp train (pid {holder.pid} on" in line and "is writing to" in line, line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train(out=tmp_path) == 0, "the lock of a finished process is stale"
+    assert not (tmp_path / LOCK_FILE).exists(), "the run releases its lock"
+
+
+def test_two_runs_at_once_one_refuses(tmp_path):
+    """Two real runs into one --out: the second one fails at once with the lock message."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
+    first = subprocess.Popen([sys.executable, "-m", "aligndp", "train", *QUICK, "--steps", "400", "--out",
+                              str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run([sys.executable, "-m", "aligndp", "train", *QUICK, "--out", str(tmp_path)],
+                                env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert second.returncode == 2, second.stderr
+        assert f"is writing to {tmp_path}" in second.stderr and second.stderr.count("\n") == 1, second.stderr
+    finally:
+        first.kill()
+        first.wait()
+
+
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir"])
+def test_out_or_checkpoint_dir_that_is_a_file(tmp_path, capsys, flag):
+    target = tmp_path / "file"
+    target.write_text("x")
+    args = ["--out", str(tmp_path / "run")] if flag == "--checkpoint-dir" else []
+    assert cli.main(["train", *QUICK, *args, flag, str(target)]) == 2
+    assert f"{flag} {target} is a file; give a directory" in error_line(capsys)
+    assert target.read_text() == "x"
+
+
+def test_data_that_is_a_directory(tmp_path, capsys):
+    assert train("--data", str(tmp_path), out=tmp_path / "run") == 2
+    assert f"--data {tmp_path} is a directory; give one file" in error_line(capsys)
+
+
+def test_layout_png_paths(tmp_path, capsys):
+    base = ["layout", "--preset", "demo", "--dp", "2"]
+    assert cli.main([*base, "--png", str(tmp_path / "missing" / "x.png")]) == 2
+    assert f"the directory {tmp_path / 'missing'} does not exist; create it first" in error_line(capsys)
+    assert cli.main([*base, "--png", str(tmp_path)]) == 2
+    assert f"--png {tmp_path} is a directory; give a file name" in error_line(capsys)
+    assert cli.main([*base, "--png", str(tmp_path / "picture")]) == 0
+    assert f"wrote {tmp_path / 'picture.png'}" in capsys.readouterr().out
+    assert (tmp_path / "picture.png").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C in a terminal signals the launcher and both ranks: a 40-line traceback before."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "aligndp", "train", *QUICK, "--nproc", "2", "--steps", "2000",
+                             "--out", str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole process group
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130, err
+    assert lines == ["aligndp train: interrupted"], err
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
+    """Rank 1 dies by SIGKILL mid-run (a sitecustomize in the ranks' path kills it at step 3)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "import aligndp.train_loop as loop\n"
+        "original = loop._train_step\n"
+        "def dying(job, step):\n"
+        "    if step == 3 and job.rank == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return original(job, step)\n"
+        "loop._train_step = dying\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    assert cli.main(["train", *QUICK, "--nproc", "2", "--steps", "6", "--timeout", "10",
+                     "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "aligndp train: error: " in err and "rank 1 (killed by SIGKILL)" in err, err
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
+def test_lock_release_leaves_another_process_lock(tmp_path):
+    lock = RunLock(str(tmp_path)).acquire()
+    (tmp_path / LOCK_FILE).write_text("1 elsewhere\n")  # replaced by someone else meanwhile
+    lock.release()
+    assert (tmp_path / LOCK_FILE).exists()
