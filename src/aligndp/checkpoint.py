@@ -106,7 +106,7 @@ class ParamGroups:
 
 
 def torch_state_to_model_space(
-    inner: torch.optim.Optimizer, names: list[str], extents: dict[str, tuple[int, int]]
+    inner: torch.optim.Optimizer, names: list[str | None], extents: dict[str, tuple[int, int]]
 ) -> dict[str, object]:
     """Model-space entries of a torch optimizer whose i-th param is the owned part of ``names[i]``.
 
@@ -115,6 +115,8 @@ def torch_state_to_model_space(
     params = [p for g in inner.param_groups for p in g["params"]][: len(names)]
     sd: dict[str, object] = {}
     for name, p in zip(names, params):
+        if name is None:  # a placeholder param (a group this rank owns nothing of)
+            continue
         offset, numel = extents[name]
         for key, value in inner.state.get(p, {}).items():
             if not isinstance(value, torch.Tensor):
@@ -127,11 +129,13 @@ def torch_state_to_model_space(
     return sd
 
 
-def model_space_to_torch_state(inner: torch.optim.Optimizer, names: list[str], sd: dict[str, object]) -> None:
+def model_space_to_torch_state(inner: torch.optim.Optimizer, names: list[str | None], sd: dict[str, object]) -> None:
     """Load ``sd`` (pieces already cut to this rank) into ``inner`` through its own ``load_state_dict``."""
     params = [p for g in inner.param_groups for p in g["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, (name, p) in enumerate(zip(names, params)):
+        if name is None:
+            continue
         prefix = f"state.{name}."
         entry = {}
         for key, value in sd.items():

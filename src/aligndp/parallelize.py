@@ -9,6 +9,7 @@ from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.layout import DEFAULT_START_ALIGNMENT, Requirement
 from aligndp.optim.base import DataParallelOptimizer, resolve_optimizer_class
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart
+from aligndp.optim.groups import ParamGroupsArg, resolve_param_groups
 
 __all__ = ["parallelize", "SHARDINGS", "WGRAD_RECIPES"]
 
@@ -30,11 +31,9 @@ def _use_fused_kernels(model: nn.Module, opt_class: type, optimizer_kwargs: dict
     """On CUDA, torch's fused kernel for AdamW/Adam/SGD unless the caller picked an
     implementation (``fused``/``foreach``): same maths as torch's default foreach path, one
     launch per tensor list instead of several, and what torch DDP users run."""
-    from aligndp.optim.base import ELEMENTWISE_OPTIMIZERS
-
     if "fused" in optimizer_kwargs or "foreach" in optimizer_kwargs:
         return False
-    if opt_class not in ELEMENTWISE_OPTIMIZERS.values():
+    if opt_class not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
         return False
     return any(p.is_cuda for p in model.parameters())
 
@@ -53,7 +52,10 @@ def parallelize(
     overlap: bool = True,
     start_alignment: int = DEFAULT_START_ALIGNMENT,
     check_finite: bool = False,
+    on_nonfinite: str = "raise",
+    broadcast_buffers: bool = True,
     overlap_param_gather: bool = False,
+    param_groups: ParamGroupsArg = None,
     **optimizer_kwargs,
 ) -> tuple[DataParallel, DataParallelOptimizer]:
     """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
@@ -75,7 +77,15 @@ def parallelize(
         max_grad_norm: clip the global gradient 2-norm to this (None: no clipping).
         overlap: launch bucket collectives during backward.
         start_alignment: param start alignment in elements; consumers' requirements win.
-        check_finite: raise naming the param when a gradient holds NaN/Inf.
+        check_finite: check every gradient for NaN/Inf before it is reduced; the ranks agree
+            at the end of backward and all do ``on_nonfinite``: ``"raise"`` a FloatingPointError
+            naming the params, or ``"skip"`` the optimizer step (params and state untouched).
+        broadcast_buffers: copy rank 0's module buffers to every rank at each forward (torch
+            DDP's default), so BatchNorm statistics agree.
+        param_groups: torch's ``[{"params": [...], **options}, ...]`` (params or their names) or
+            a callable ``(name, param) -> options``; every trainable param in exactly one group.
+            Works in every mode; with ``optimizer="muon"`` each group is cut into its Muon and
+            AdamW params.
         overlap_param_gather: zero1: all-gather updated params during the next forward
             (each module waits for its own buckets) instead of at the end of ``step()``.
         optimizer_kwargs: passed to the torch optimizer (torch's defaults otherwise; on CUDA
@@ -84,25 +94,31 @@ def parallelize(
     Usage reads like torch DDP: ``loss.backward(); opt.step(); opt.zero_grad()``;
     ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize() wraps an nn.Module, got {type(model).__name__}: pass the model itself")
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     requirements = _wgrad_requirements(wgrad)
     config_kwargs = dict(overlap=overlap, grad_dtype=grad_dtype, start_alignment=start_alignment,
-                         check_finite=check_finite)
+                         check_finite=check_finite, on_nonfinite=on_nonfinite, broadcast_buffers=broadcast_buffers)
     if bucket_numel is not None:
         config_kwargs["bucket_numel"] = bucket_numel
     config = DDPConfig(**config_kwargs)
     if lr is not None:
         optimizer_kwargs["lr"] = lr
 
+    groups = resolve_param_groups(model, param_groups)
+    cuda = any(p.is_cuda for p in model.parameters())
     if isinstance(optimizer, str) and optimizer.lower() == "muon":
         from aligndp.optim.layerwise import parallelize_muon  # routing: aligndp/routing.py
 
         return parallelize_muon(model, sharding=sharding, process_group=process_group, config=config,
-                                requirements=requirements, max_grad_norm=max_grad_norm,
-                                overlap_param_gather=overlap_param_gather, **optimizer_kwargs)
+                                requirements=requirements, max_grad_norm=max_grad_norm, groups=groups,
+                                overlap_param_gather=overlap_param_gather,
+                                adamw_fused=cuda and not ({"adamw_fused", "adamw_foreach"} & set(optimizer_kwargs)),
+                                **optimizer_kwargs)
     opt_class = resolve_optimizer_class(optimizer)
     if _use_fused_kernels(model, opt_class, optimizer_kwargs):
         optimizer_kwargs["fused"] = True
@@ -110,12 +126,12 @@ def parallelize(
         from aligndp.layout import Mode
         from aligndp.optim.sharded import ShardedOptimizer, check_elementwise
 
-        check_elementwise(opt_class)
-        modes = {n: Mode.SHARDED for n, p in model.named_parameters() if p.requires_grad}
+        check_elementwise(opt_class, optimizer_kwargs)  # before wrapping: refuse early
+        modes = {n: Mode.SHARDED for g in groups for n in g.names}
         ddp = DataParallel(model, process_group=process_group, config=config, modes=modes, requirements=requirements)
-        return ddp, ShardedOptimizer(ddp, ddp.buffers_for(Mode.SHARDED), opt_class, max_grad_norm=max_grad_norm,
+        return ddp, ShardedOptimizer(ddp, opt_class, groups=groups, max_grad_norm=max_grad_norm,
                                      overlap_param_gather=overlap_param_gather, **optimizer_kwargs)
     ddp = DataParallel(model, process_group=process_group, config=config, requirements=requirements)
-    params = [p for n, p in model.named_parameters() if p.requires_grad]
-    inner = opt_class(params, **optimizer_kwargs)
+    named = dict(model.named_parameters())
+    inner = opt_class([{"params": [named[n] for n in g.names], **g.options} for g in groups], **optimizer_kwargs)
     return ddp, CompositeOptimizer(ddp, [ReplicatedPart(ddp, inner)], max_grad_norm=max_grad_norm)

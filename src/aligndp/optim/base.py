@@ -2,41 +2,103 @@
 
 aligndp's optimizers drive one or more torch optimizers over buffer views and must still
 look like a single ``torch.optim.Optimizer`` to user code: ``step``/``zero_grad``,
-``param_groups`` whose edits (lr schedulers) reach the inner optimizers, and ``state_dict``.
-``param_groups`` is the concatenation of the inner optimizers' own group dicts — the same
-dict objects, so writing ``group["lr"]`` changes the inner optimizer directly. It is read
-afresh on every access: ``Optimizer.load_state_dict`` (a checkpoint load) replaces an inner
-optimizer's group dicts, and a list captured at construction would then point at dead dicts,
-so an lr scheduler's writes after a resume would be silently ignored.
+``param_groups`` whose edits (lr schedulers) reach the inner optimizers, ``state_dict`` /
+``load_state_dict``. ``param_groups`` is the concatenation of the inner optimizers' own group
+dicts — the same dict objects, so writing ``group["lr"]`` changes the inner optimizer
+directly. It is read afresh on every access: ``Optimizer.load_state_dict`` replaces an inner
+optimizer's group dicts, and a list captured at construction would then point at dead dicts.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
+from aligndp.collectives import all_reduce_sum
 from aligndp.ddp import DataParallel
 
-__all__ = ["DataParallelOptimizer", "ELEMENTWISE_OPTIMIZERS", "resolve_optimizer_class"]
+__all__ = [
+    "DataParallelOptimizer",
+    "ELEMENTWISE_OPTIMIZERS",
+    "resolve_optimizer_class",
+    "is_elementwise",
+    "global_grad_norm",
+]
 
 ELEMENTWISE_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+    "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+    "adadelta": torch.optim.Adadelta,
+    "rprop": torch.optim.Rprop,
 }
-"""Optimizers whose update of one element depends only on that element's history: the only
-ones ZeRO-1 may step on arbitrary slices."""
+"""torch optimizers selectable by name. Each also passes :func:`is_elementwise`, the test
+ZeRO-1 applies to any optimizer class it is given."""
+
+_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def resolve_optimizer_class(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     if isinstance(name, type) and issubclass(name, torch.optim.Optimizer):
         return name
+    if isinstance(name, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= takes a torch optimizer class or a name, got an instance of "
+                        f"{type(name).__name__}: pass {type(name).__name__} itself (aligndp builds it over the "
+                        "buffers) and its options as keyword arguments")
     try:
         return ELEMENTWISE_OPTIMIZERS[str(name).lower()]
     except KeyError:
         raise ValueError(
-            f"unknown optimizer {name!r}: choose one of {sorted(ELEMENTWISE_OPTIMIZERS) + ['muon']}"
+            f"unknown optimizer {name!r}: choose one of {sorted(ELEMENTWISE_OPTIMIZERS) + ['muon']} or pass a "
+            "torch.optim.Optimizer subclass"
         ) from None
+
+
+def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> bool:
+    """Whether ``opt_class`` with ``options`` updates each element from that element's history alone.
+
+    How it is decided: a probe. The optimizer steps a 4x6 tensor three times, and separately
+    two flat pieces of it cut at element 7 (how ZeRO-1 cuts params) with the same gradients;
+    elementwise optimizers give the same values (1e-6). This refuses per-tensor statistics
+    (Muon, Adafactor's factored moments, LAMB's trust ratio) and closures (LBFGS).
+    """
+    options = {k: v for k, v in options.items() if k not in _IMPL_KEYS}
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4, 6, generator=gen)
+    grads = [torch.randn(4, 6, generator=gen) for _ in range(3)]
+    try:
+        whole = start.clone().requires_grad_(True)
+        pieces = [start.reshape(-1)[:7].clone().requires_grad_(True), start.reshape(-1)[7:].clone().requires_grad_(True)]
+        opt_whole, opt_pieces = opt_class([whole], **options), opt_class(pieces, **options)
+        for g in grads:
+            whole.grad = g.clone()
+            pieces[0].grad, pieces[1].grad = g.reshape(-1)[:7].clone(), g.reshape(-1)[7:].clone()
+            opt_whole.step()
+            opt_pieces.step()
+        return torch.allclose(whole.detach().reshape(-1), torch.cat([p.detach() for p in pieces]),
+                              rtol=1e-6, atol=1e-7)
+    except Exception:  # an optimizer that cannot step flat pieces (Muon: 2-D only) is not elementwise
+        return False
+
+
+def global_grad_norm(local_sq_sums: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global gradient 2-norm from each rank's sums of squares of the real elements it owns.
+
+    One all-reduce for any mix of buffers: callers pass one partial sum per part and must
+    together cover every element exactly once.
+    """
+    sums = list(local_sq_sums)
+    total = torch.stack([s.float() for s in sums]).sum() if sums else torch.zeros(())
+    if dist.get_world_size(group) > 1:
+        all_reduce_sum(total, group=group)
+    return total.sqrt()
 
 
 class DataParallelOptimizer(torch.optim.Optimizer):
@@ -77,13 +139,56 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         pass
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (and drop any ``param.grad``) for the next step."""
-        self.model.zero_grad_buffer()
+        """Same as ``model.zero_grad()``: drop every gradient for the next step."""
+        self.model.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError(
-            "aligndp plans its buffers for the params given to parallelize(); build a new one to add params"
+        raise ValueError(
+            "aligndp plans its buffers for the module's params when it wraps them, so groups cannot be added "
+            "later: pass every group to aligndp.parallelize(..., param_groups=[{'params': [...], **options}, ...]); "
+            "to train a param later, keep it trainable from the start (a param without gradient is not stepped)"
         )
+
+    # ---- torch's optimizer state dict, rank-local ----
+    def _fingerprint(self) -> dict:
+        return {"dp_size": self.model.dp_size, "rank": self.model.rank,
+                "groups": [len(opt.param_groups) for opt in self.inner]}
+
+    def state_dict(self) -> dict:
+        """torch's format, over every inner optimizer: ``state`` keyed by one running param index
+        and ``param_groups`` concatenated. Rank-local (a sharded optimizer holds this rank's
+        slices): load it on the same rank of the same layout; ``aligndp.save``/``load`` reshard."""
+        state: dict[int, dict] = {}
+        groups: list[dict] = []
+        offset = 0
+        for opt in self.inner:
+            sd = opt.state_dict()
+            for i, s in sd["state"].items():
+                state[i + offset] = s
+            for g in sd["param_groups"]:
+                groups.append({**g, "params": [i + offset for i in g["params"]]})
+            offset += sum(len(g["params"]) for g in sd["param_groups"])
+        return {"state": state, "param_groups": groups, "aligndp": self._fingerprint()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        mine = self._fingerprint()
+        theirs = state_dict.get("aligndp")
+        if theirs != mine:
+            raise ValueError(
+                f"this optimizer state dict was saved by {theirs or 'a plain torch optimizer'} but this optimizer is "
+                f"{mine}: opt.state_dict() is rank-local; load it on the same rank with the same dp size and "
+                "param groups, or use aligndp.save()/aligndp.load(), which reshard"
+            )
+        offset = 0
+        groups = list(state_dict["param_groups"])
+        for opt in self.inner:
+            count = len(opt.param_groups)
+            mine_groups, groups = groups[:count], groups[count:]
+            numel = sum(len(g["params"]) for g in mine_groups)
+            sub_state = {i - offset: s for i, s in state_dict["state"].items() if offset <= i < offset + numel}
+            opt.load_state_dict({"state": sub_state, "param_groups": [
+                {**g, "params": [i - offset for i in g["params"]]} for g in mine_groups]})
+            offset += numel
 
     def __repr__(self) -> str:
         inner = ", ".join(type(o).__name__ for o in self.inner)

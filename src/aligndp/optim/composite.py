@@ -21,25 +21,26 @@ from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel
 from aligndp.layout import Mode
-from aligndp.optim.base import DataParallelOptimizer
-from aligndp.optim.replicated import clip_by_total_norm
-from aligndp.optim.sharded import global_grad_norm
+from aligndp.optim.base import DataParallelOptimizer, global_grad_norm
 from aligndp.param_gather import ParamGather
 
-__all__ = ["OptimizerPart", "ReplicatedPart", "CompositeOptimizer", "BucketGather"]
+__all__ = ["OptimizerPart", "ReplicatedPart", "CompositeOptimizer", "BucketGather", "sum_of_squares"]
 
 
 class OptimizerPart(Protocol):
     inner: list[torch.optim.Optimizer]
+    names: list[str]
+    """Every param this part steps (on some rank), by name."""
 
     def prepare_grads(self) -> None:
-        """Bind the reduced gradients as ``.grad`` of what the inner optimizer steps."""
+        """Bind the reduced gradients as ``.grad`` of what the inner optimizer steps (idempotent
+        within one reduction; params without a gradient get none)."""
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (shares sum to it over ranks)."""
 
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """Clip with torch's coefficient ``max_norm / (total_norm + 1e-6)``, clamped to 1."""
+        """Clip the bound gradients by the global norm (``torch.nn.utils.clip_grads_with_norm_``)."""
 
     def step_owned(self) -> None:
         """Step what this rank owns; values land in ``param_data`` (gathered by the composite)."""
@@ -59,7 +60,10 @@ def sum_of_squares(grads: Sequence[torch.Tensor], *, device: torch.device) -> to
 
 
 class ReplicatedPart:
-    """A part over all-reduced params: every rank steps all of them with ``inner`` (plain DDP)."""
+    """A part over all-reduced params: every rank steps all of them with ``inner`` (plain DDP).
+
+    The reduced gradients are already ``param.grad`` ([Note: step states] in ddp.py), possibly
+    edited by the user (clipping, unscaling) or dropped (``None``: not stepped)."""
 
     def __init__(self, model: DataParallel, inner: torch.optim.Optimizer) -> None:
         self.model = model
@@ -68,21 +72,20 @@ class ReplicatedPart:
         self.names = [model.param_names[p] for p in self.params]
 
     def prepare_grads(self) -> None:
-        for p in self.params:
-            g = self.model.main_grad(p)
-            p.grad = g.to(p.dtype)
+        pass
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         # every rank holds every gradient: each contributes 1/dp_size so one all-reduce sums to it
-        return sum_of_squares([p.grad for p in self.params], device=self.model.device) / self.model.dp_size
+        return sum_of_squares(self._grads(), device=self.model.device) / self.model.dp_size
 
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        clip_by_total_norm([p.grad for p in self.params], max_norm=max_norm, total_norm=total_norm)
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
 
     def step_owned(self) -> None:
         self.inner[0].step()
-        for p in self.params:
-            p.grad = None  # the hooks add param.grad into main_grad; never leave an alias behind
 
     def owned_range(self, name: str) -> tuple[int, int]:
         return 0, self.params[self.names.index(name)].numel()
@@ -148,41 +151,69 @@ class CompositeOptimizer(DataParallelOptimizer):
                 for group in opt.param_groups:
                     group.setdefault("optimizer", type(opt).__name__.lower())
         self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: float | None = None
-        """The global gradient norm of the last step (before clipping), when clipping."""
+        self.skipped_steps = 0
+        """Steps skipped on every rank for non-finite gradients (``on_nonfinite="skip"``)."""
         self.routing = None
         """The :class:`~aligndp.routing.Routing` that split the params, when one did."""
         gathered = [b for b in model.flat_buffers if b.param_data is not None]
         self.gather = BucketGather(gathered, group=model.process_group, module=model.module,
                                    overlap=overlap_param_gather)
+        if gathered:
+            model.attach_param_gather(self.gather)
         for part in self.parts:
             if hasattr(part, "on_bucket_stepped"):  # layer-wise Muon: gather each bucket once it is stepped
                 part.on_bucket_stepped = self.gather.launch_stepped
+
+    def _prepare(self) -> None:
+        """Reduce what is pending and bind every part's gradients (idempotent)."""
+        self.model.finish_grad_sync()
+        self.gather.wait_all()  # the previous gather reads the shards we are about to write
+        for part in self.parts:
+            part.prepare_grads()
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the reduced gradients over every param (one all-reduce), as
+        ``torch.nn.utils.clip_grad_norm_`` would compute it over every rank's full gradients."""
+        self._prepare()
+        return global_grad_norm([part.local_grad_sq_sum() for part in self.parts], group=self.model.process_group)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for every mode: scale the reduced gradients so their
+        global 2-norm is at most ``max_norm``; returns the norm before clipping."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"aligndp clips by the 2-norm only, got norm_type={norm_type!r}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        total = self.grad_norm()
+        for part in self.parts:
+            part.scale_grads(max_norm, total)
+        return total
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closures are not supported: run forward/backward before step()")
         self.model.finish_grad_sync()
-        self.gather.wait_all()  # the previous gather reads the shards we are about to write
-        for part in self.parts:
-            part.prepare_grads()
+        if self.model.nonfinite is not None:
+            if self.model.config.on_nonfinite == "skip":
+                self.skipped_steps += 1
+                return None
+            raise FloatingPointError(self.model.nonfinite)
         if self.max_grad_norm is not None:
-            total = global_grad_norm([part.local_grad_sq_sum() for part in self.parts],
-                                     group=self.model.process_group)
-            self.last_grad_norm = float(total)
-            for part in self.parts:
-                part.scale_grads(self.max_grad_norm, total)
+            self.clip_grad_norm_(self.max_grad_norm)
+        else:
+            self._prepare()
         for part in self.parts:
             part.step_owned()
         self.gather.launch_rest()
+        return None
 
     # ---- [Note: model-space state] (aligndp/checkpoint.py) ----
     def _part_of(self, name: str) -> OptimizerPart:
         for part in self.parts:
-            # a ShardedOptimizer steps every param of its buffers; the other parts list theirs
-            names = part.names if hasattr(part, "names") else [s.name for b in part.buffers for s in b.slots]
-            if name in names:
+            if name in part.names:
                 return part
         raise KeyError(f"param {name!r} is stepped by no part of this optimizer")
 

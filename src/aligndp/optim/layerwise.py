@@ -29,8 +29,8 @@ from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_stat
 from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.layout import Mode, Requirement
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart, sum_of_squares
-from aligndp.optim.replicated import clip_by_total_norm
-from aligndp.optim.sharded import ShardedOptimizer
+from aligndp.optim.groups import ParamGroup
+from aligndp.optim.sharded import ShardedPart
 from aligndp.routing import MuonFilter, route_params
 
 __all__ = ["LayerwiseMuon", "MUON_OPTIONS", "split_muon_kwargs", "parallelize_muon"]
@@ -46,7 +46,8 @@ class LayerwiseMuon:
     in a layerwise buffer of ``model``. ``muon_kwargs`` go to ``torch.optim.Muon``.
     """
 
-    def __init__(self, model: DataParallel, params: Sequence[tuple[str, nn.Parameter]], **muon_kwargs) -> None:
+    def __init__(self, model: DataParallel, params: Sequence[tuple[str, nn.Parameter]], *,
+                 groups: Sequence[ParamGroup] | None = None, **muon_kwargs) -> None:
         unknown = set(muon_kwargs) - set(MUON_OPTIONS)
         if unknown:
             raise TypeError(f"unknown Muon option(s) {sorted(unknown)}: choose from {list(MUON_OPTIONS)}")
@@ -66,7 +67,15 @@ class LayerwiseMuon:
             p.detach().float().clone() if o == model.rank and p.dtype != torch.float32 else p
             for p, o in zip(self.params, self.owners)
         ]
-        self.inner = [torch.optim.Muon(self.targets, **muon_kwargs)]
+        groups = groups or [ParamGroup(tuple(self.names), {})]
+        self.inner = [torch.optim.Muon(_torch_groups(groups, dict(zip(self.names, self.targets))), **muon_kwargs)]
+        order = [n for g in groups for n in g.names if n in set(self.names)]
+        if order != self.names:  # the inner optimizer's param order is group-major
+            perm = [self.names.index(n) for n in order]
+            self.names, self.params, self.owners, self.targets = (
+                [seq[i] for i in perm] for seq in (self.names, self.params, self.owners, self.targets))
+        self._versions = {i: self.params[i]._version for i in self.owned if self.targets[i] is not self.params[i]}
+        self._visible: dict[int, torch.Tensor | None] | None = None
         index = {id(p): i for i, p in enumerate(self.params)}
         self._buckets = [  # (buffer, bucket, indices of its Muon matrices), in gather order
             (buf, b, [index[id(p)] for p, s in zip(buf.params, buf.slots) if s.bucket == b and id(p) in index])
@@ -80,17 +89,30 @@ class LayerwiseMuon:
         """Indices (into ``names``/``params``) of the matrices this rank steps."""
         return [i for i, o in enumerate(self.owners) if o == self.model.rank]
 
+    @torch.no_grad()
     def prepare_grads(self) -> None:
-        """1. assign: owned matrices get their reduced ``main_grad`` (cast to the master's dtype)."""
+        """1. assign: owned matrices with a gradient (on some rank) get their reduced ``main_grad``
+        (cast to the master's dtype); fp32 masters of 16-bit matrices the user wrote since our
+        last step (version counter) take the new values first."""
+        if self._visible is None:  # params stepped in place show a ShardedGrad: hide it from Muon
+            self._visible = {i: p.grad for i, (p, t) in enumerate(zip(self.params, self.targets)) if p is t}
+            for i in self._visible:
+                self.params[i].grad = None
         for i in self.owned:
-            self.targets[i].grad = self.model.main_grad(self.params[i]).to(self.targets[i].dtype)
+            if i in self._versions and self.params[i]._version != self._versions[i]:
+                self.targets[i].copy_(self.params[i])
+                self._versions[i] = self.params[i]._version
+            p = self.params[i]
+            self.targets[i].grad = self.model.reduced_grad(p).to(self.targets[i].dtype) if self.model.has_grad(p) \
+                else None
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of the owned matrices' gradients (each matrix counted by its owner only)."""
-        return sum_of_squares([self.targets[i].grad for i in self.owned], device=self.model.device)
+        grads = [self.targets[i].grad for i in self.owned if self.targets[i].grad is not None]
+        return sum_of_squares(grads, device=self.model.device)
 
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        clip_by_total_norm([self.targets[i].grad for i in self.owned], max_norm=max_norm, total_norm=total_norm)
+        torch.nn.utils.clip_grads_with_norm_([self.targets[i] for i in self.owned], max_norm, total_norm)
 
     @torch.no_grad()
     def step_owned(self) -> None:
@@ -98,7 +120,7 @@ class LayerwiseMuon:
         ``.grad``, so each bucket's grads are handed over in turn; masters are cast back.
         3. all-gather: ``on_bucket_stepped(buffer, bucket)`` (set by the composite optimizer)
         starts each bucket's gather, overlapping the next bucket's Newton–Schulz."""
-        grads = {i: self.targets[i].grad for i in self.owned}
+        grads = {i: self.targets[i].grad for i in self.owned if self.targets[i].grad is not None}
         for i in grads:
             self.targets[i].grad = None
         for buf, bucket, members in self._buckets:
@@ -111,8 +133,12 @@ class LayerwiseMuon:
                 self.targets[i].grad = None
                 if self.targets[i] is not self.params[i]:
                     self.params[i].copy_(self.targets[i])  # fp32 master -> the param's view in param_data
+                    self._versions[i] = self.params[i]._version
             if self.on_bucket_stepped is not None:
                 self.on_bucket_stepped(buf, bucket)
+        for i, grad in (self._visible or {}).items():
+            self.params[i].grad = grad  # as the DataParallel published it ([Note: step states])
+        self._visible = None
 
     def momentum(self, name: str) -> torch.Tensor | None:
         """The momentum buffer of matrix ``name`` on this rank (None if not owned or not stepped yet)."""
@@ -139,6 +165,7 @@ class LayerwiseMuon:
             self.targets[i].copy_(sd[f"param.{self.names[i]}"].tensor.view(self.params[i].shape))
             if self.targets[i] is not self.params[i]:
                 self.params[i].copy_(self.targets[i])
+                self._versions[i] = self.params[i]._version
         model_space_to_torch_state(self.inner[0], self.names, sd)
 
 
@@ -156,6 +183,13 @@ def split_muon_kwargs(kwargs: dict) -> tuple[dict, dict]:
     return muon, adamw
 
 
+def _torch_groups(groups: Sequence[ParamGroup], tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """torch param groups over ``tensors`` (by name): each group cut to the names it has here;
+    a group with none of them is left out (so empty groups never reach a torch optimizer)."""
+    return [{"params": [tensors[n] for n in g.names if n in tensors], **g.options}
+            for g in groups if any(n in tensors for n in g.names)]
+
+
 def parallelize_muon(
     model: nn.Module,
     *,
@@ -164,31 +198,43 @@ def parallelize_muon(
     config: DDPConfig,
     requirements: Sequence[Requirement],
     max_grad_norm: float | None,
+    groups: Sequence[ParamGroup],
     overlap_param_gather: bool = False,
     muon_filter: MuonFilter | None = None,
+    adamw_fused: bool = False,
     **kwargs,
 ) -> tuple[DataParallel, CompositeOptimizer]:
     """``parallelize(model, optimizer="muon", ...)``: route, wrap, build Muon + AdamW parts.
 
     ``sharding="none"``: every buffer replicated (all-reduce), every rank steps everything.
     ``sharding="zero1"``: Muon matrices in layerwise buffers stepped by their owners
-    ([Note: layer-wise step]); the rest stepped by AdamW.
+    ([Note: layer-wise step]); the rest stepped by ZeRO-1 AdamW. Each of ``groups`` is cut
+    into its Muon and its AdamW params, with the same options.
     """
     muon_kwargs, adamw_kwargs = split_muon_kwargs(kwargs)
+    if adamw_fused:
+        adamw_kwargs.setdefault("fused", True)
     routing = route_params(model, muon_filter=muon_filter)
     zero1 = sharding == "zero1"
     modes = {n: Mode.LAYERWISE for n in routing.muon} | {n: Mode.SHARDED for n in routing.adamw} if zero1 else {}
     ddp = DataParallel(model, process_group=process_group, config=config, modes=modes, requirements=requirements)
     named = dict(model.named_parameters())
+    muon_groups = [ParamGroup(tuple(n for n in g.names if n in routing.muon), g.options) for g in groups]
+    adamw_groups = [ParamGroup(tuple(n for n in g.names if n in routing.adamw), g.options) for g in groups]
+    muon_groups = [g for g in muon_groups if g.names]
+    adamw_groups = [g for g in adamw_groups if g.names]
     parts = []
     if routing.muon and zero1:
-        parts.append(LayerwiseMuon(ddp, [(n, named[n]) for n in routing.muon], **muon_kwargs))
+        parts.append(LayerwiseMuon(ddp, [(n, named[n]) for n in routing.muon], groups=muon_groups, **muon_kwargs))
     elif routing.muon:
-        parts.append(ReplicatedPart(ddp, torch.optim.Muon([named[n] for n in routing.muon], **muon_kwargs)))
+        tensors = {n: named[n] for n in routing.muon}
+        parts.append(ReplicatedPart(ddp, torch.optim.Muon(_torch_groups(muon_groups, tensors), **muon_kwargs)))
     if routing.adamw and zero1:
-        parts.append(ShardedOptimizer(ddp, ddp.buffers_for(Mode.SHARDED), torch.optim.AdamW, **adamw_kwargs))
+        parts.append(ShardedPart(ddp, ddp.buffers_for(Mode.SHARDED), torch.optim.AdamW, groups=adamw_groups,
+                                 **adamw_kwargs))
     elif routing.adamw:
-        parts.append(ReplicatedPart(ddp, torch.optim.AdamW([named[n] for n in routing.adamw], **adamw_kwargs)))
+        tensors = {n: named[n] for n in routing.adamw}
+        parts.append(ReplicatedPart(ddp, torch.optim.AdamW(_torch_groups(adamw_groups, tensors), **adamw_kwargs)))
     optimizer = CompositeOptimizer(ddp, parts, max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather)
     optimizer.routing = routing
     return ddp, optimizer

@@ -17,21 +17,19 @@ reduce-scattered ``grad_data`` views (cast to fp32 first where the grad buffer i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
-from aligndp.collectives import all_reduce_sum
 from aligndp.ddp import DataParallel
 from aligndp.layout import BufferLayout, Mode
-from aligndp.optim.base import ELEMENTWISE_OPTIMIZERS, DataParallelOptimizer
-from aligndp.optim.replicated import clip_by_total_norm
-from aligndp.param_gather import ParamGather
+from aligndp.optim.base import is_elementwise
+from aligndp.optim.composite import CompositeOptimizer
+from aligndp.optim.groups import ParamGroup
 
-__all__ = ["OwnedSegment", "owned_segments", "check_elementwise", "global_grad_norm", "ShardedOptimizer"]
+__all__ = ["OwnedSegment", "owned_segments", "check_elementwise", "ShardedPart", "ShardedOptimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,36 +65,24 @@ def owned_segments(layout: BufferLayout, *, rank: int) -> tuple[OwnedSegment, ..
     return tuple(segments)
 
 
-def check_elementwise(optimizer: object) -> None:
+def check_elementwise(opt_class: type[torch.optim.Optimizer], options: dict | None = None) -> None:
     """Refuse optimizers whose update of one element depends on other elements (e.g. Muon).
 
-    ZeRO-1 steps arbitrary slices that cut params apart; only elementwise updates are exact there.
+    ZeRO-1 steps arbitrary slices that cut params apart; only elementwise updates are exact
+    there. Decided by :func:`aligndp.optim.base.is_elementwise` (a probe), for any class.
     """
-    allowed = tuple(ELEMENTWISE_OPTIMIZERS.values())
-    if isinstance(optimizer, str):
-        ok = optimizer.lower() in ELEMENTWISE_OPTIMIZERS
-    else:
-        ok = optimizer in allowed
-    if not ok:
-        name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", repr(optimizer))
+    if isinstance(opt_class, str):
+        from aligndp.optim.base import resolve_optimizer_class
+
+        opt_class = torch.optim.Muon if opt_class.lower() == "muon" else resolve_optimizer_class(opt_class)
+    if not is_elementwise(opt_class, dict(options or {})):
+        name = getattr(opt_class, "__name__", repr(opt_class))
         raise ValueError(
-            f"sharding='zero1' steps arbitrary slices of params, which is exact only for elementwise optimizers "
-            f"({', '.join(c.__name__ for c in allowed)}); {name!r} is not one of them. For whole-tensor "
-            "optimizers such as Muon use the layer-wise mode (optimizer='muon', every param whole on one rank)"
+            f"sharding='zero1' steps arbitrary slices of params, which is exact only for optimizers whose update "
+            f"of an element depends on that element alone; {name} with these options is not one (stepping a 4x6 "
+            "tensor whole and cut in two pieces gave different values). For whole-tensor optimizers such as "
+            "Muon use the layer-wise mode: optimizer='muon' (every matrix whole on one rank); or sharding='none'"
         )
-
-
-def global_grad_norm(local_sq_sums: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Global gradient 2-norm from each rank's sums of squares of the real elements it owns.
-
-    One all-reduce for any mix of buffers (sharded slices, layerwise whole params): callers
-    pass one partial sum per kind and must together cover every element exactly once.
-    """
-    sums = list(local_sq_sums)
-    total = torch.stack([s.float() for s in sums]).sum() if sums else torch.zeros(())
-    if dist.get_world_size(group) > 1:
-        all_reduce_sum(total, group=group)
-    return total.sqrt()
 
 
 @dataclasses.dataclass
@@ -109,16 +95,16 @@ class _Piece:
     master: torch.Tensor
     cast_back: bool
     """True when the master is a separate fp32 copy (16-bit params), False when it is the param_data view."""
+    group: int
 
 
-class ShardedOptimizer(DataParallelOptimizer):
-    """ZeRO-1 over ``buffers`` (sharded :class:`FlatBuffer` s of ``model``); composable.
+class ShardedPart:
+    """ZeRO-1 over ``buffers`` (sharded :class:`FlatBuffer` s of ``model``): a part of a
+    :class:`~aligndp.optim.composite.CompositeOptimizer`.
 
-    ``step()`` = finish grad sync, bind fp32 grads, clip by the global norm, step the inner
-    torch optimizer on the owned masters, cast back, all-gather. A composite optimizer (e.g.
-    layer-wise Muon for matrices + this for the rest) calls the pieces instead:
-    :meth:`prepare_grads`, :meth:`local_grad_sq_sum` (into :func:`global_grad_norm`),
-    :meth:`scale_grads`, :meth:`step_owned`, and ``self.gather``.
+    The inner torch optimizer steps this rank's fp32 masters, one torch param group per
+    :class:`~aligndp.optim.groups.ParamGroup` (a group this rank owns nothing of gets a
+    grad-less zero-size placeholder, so ``param_groups`` match on every rank).
     """
 
     def __init__(
@@ -127,33 +113,39 @@ class ShardedOptimizer(DataParallelOptimizer):
         buffers: Sequence[FlatBuffer],
         opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
-        max_grad_norm: float | None = None,
-        overlap_param_gather: bool = False,
+        groups: Sequence[ParamGroup] | None = None,
         **optimizer_kwargs,
     ) -> None:
-        check_elementwise(opt_class)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         for buf in buffers:
             if buf.layout.mode is not Mode.SHARDED or buf.param_data is None:
-                raise ValueError(f"ShardedOptimizer steps sharded buffers only, got a {buf.layout.mode.value} buffer")
+                raise ValueError(f"ShardedPart steps sharded buffers only, got a {buf.layout.mode.value} buffer")
+        self.model = model
         self.rank, self.dp_size = model.rank, model.dp_size
         self.buffers = list(buffers)
-        self.max_grad_norm = max_grad_norm
-        self.pieces = [piece for buf in self.buffers for piece in self._bind(buf)]
-        masters = [p.master for p in self.pieces]
-        # a rank that owns only padding still needs param_groups (lr schedulers): a placeholder
-        # without a grad is skipped by every torch optimizer
-        inner = opt_class(masters or [torch.zeros(0, device=self._device)], **optimizer_kwargs)
-        super().__init__(model, [inner])
-        self.gather = ParamGather(self.buffers, group=model.process_group, module=model.module,
-                                  overlap=overlap_param_gather)
+        self.names = [s.name for b in self.buffers for s in sorted(b.slots, key=lambda s: s.index)]
+        if groups is None:
+            groups = [ParamGroup(tuple(self.names), {})]
+        group_of = {n: i for i, g in enumerate(groups) for n in g.names}
+        check_elementwise(opt_class, optimizer_kwargs)
+        for g in groups:
+            check_elementwise(opt_class, optimizer_kwargs | g.options)
+        pieces = [piece for buf in self.buffers for piece in self._bind(buf, group_of)]
+        self.pieces = sorted(pieces, key=lambda p: p.group)  # group-major: the inner optimizer's param order
+        self._piece_names: list[str | None] = []
+        torch_groups = []
+        for i, g in enumerate(groups):
+            masters = [p.master for p in self.pieces if p.group == i]
+            self._piece_names += [p.segment.name for p in self.pieces if p.group == i] or [None]
+            torch_groups.append({"params": masters or [torch.zeros(0, device=self._device)], **g.options})
+        self.inner = [opt_class(torch_groups, **optimizer_kwargs)]
+        self._versions = {id(p.param): p.param._version for p in self.pieces if p.cast_back}
+        self._prepared_at: int | None = None
 
     @property
     def _device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
 
-    def _bind(self, buf: FlatBuffer) -> list[_Piece]:
+    def _bind(self, buf: FlatBuffer, group_of: dict[str, int]) -> list[_Piece]:
         segments = owned_segments(buf.layout, rank=self.rank)
         params = {s.index: p for p, s in zip(buf.params, buf.slots)}
         if buf.layout.param_dtype == torch.float32:
@@ -169,37 +161,53 @@ class ShardedOptimizer(DataParallelOptimizer):
                 master = flat[cursor:cursor + s.numel]
                 master.copy_(buf.param_data[s.start:s.end])
                 cursor += s.numel
-            pieces.append(_Piece(s, params[s.index], buf, master, cast_back=flat is not None))
+            pieces.append(_Piece(s, params[s.index], buf, master, cast_back=flat is not None, group=group_of[s.name]))
         return pieces
 
-    # ---- the composable pieces of a step ----
+    # ---- the part interface (aligndp/optim/composite.py) ----
     @torch.no_grad()
-    def prepare_grads(self) -> list[torch.Tensor]:
-        """Bind each master's ``.grad`` to its reduced gradient (fp32); returns them in piece order."""
-        grads = []
+    def _refresh_masters(self) -> None:
+        """16-bit params written by the user since our last step (``load_state_dict``,
+        ``aligndp.load`` without an optimizer, ``p.copy_``) bump their version counter; their
+        fp32 masters take the new values, so the step does not write old weights back."""
         for p in self.pieces:
-            g = p.buffer.grad_data[p.segment.start:p.segment.end]
-            p.master.grad = g if g.dtype == torch.float32 else g.float()
-            grads.append(p.master.grad)
-        return grads
+            if p.cast_back and p.param._version != self._versions[id(p.param)]:
+                p.master.copy_(p.buffer.param_data[p.segment.start:p.segment.end])
+                self._versions[id(p.param)] = p.param._version
+
+    @torch.no_grad()
+    def prepare_grads(self) -> None:
+        """Bind each master's ``.grad`` to its reduced gradient (fp32); none where no rank had one."""
+        if self._prepared_at == self.model.reductions:
+            return
+        self._refresh_masters()
+        for p in self.pieces:
+            if self.model.has_grad(p.param):
+                g = p.buffer.grad_data[p.segment.start:p.segment.end]
+                p.master.grad = g if g.dtype == torch.float32 else g.float()
+            else:
+                p.master.grad = None
+        self._prepared_at = self.model.reductions
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.master.grad for p in self.pieces if p.master.grad is not None]
 
     @torch.no_grad()
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's owned gradient elements (after :meth:`prepare_grads`)."""
-        grads = [p.master.grad for p in self.pieces if p.master.grad is not None]
+        grads = self._grads()
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self._device)
         return torch.stack(torch._foreach_norm(grads)).square().sum()
 
     @torch.no_grad()
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """Clip with torch's coefficient ``max_norm / (total_norm + 1e-6)``, clamped to 1."""
-        clip_by_total_norm([p.master.grad for p in self.pieces if p.master.grad is not None],
-                           max_norm=max_norm, total_norm=total_norm)
+        torch.nn.utils.clip_grads_with_norm_([p.master for p in self.pieces], max_norm, total_norm)
 
     @torch.no_grad()
     def step_owned(self) -> None:
         """Inner optimizer step on the masters, cast back into ``param_data``, drop the grads."""
+        self.prepare_grads()
         self.inner[0].step()
         low = [p for p in self.pieces if p.cast_back]
         if low:
@@ -207,19 +215,7 @@ class ShardedOptimizer(DataParallelOptimizer):
                                  [p.master for p in low])
         for p in self.pieces:
             p.master.grad = None  # never leave an alias of grad_data behind
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("closures are not supported: run forward/backward before step()")
-        self.model.finish_grad_sync()
-        self.gather.wait_all()  # the previous step's gather reads the slice we are about to write
-        self.prepare_grads()
-        if self.max_grad_norm is not None:
-            total = global_grad_norm([self.local_grad_sq_sum()], group=self.model.process_group)
-            self.scale_grads(self.max_grad_norm, total)
-        self.step_owned()
-        self.gather.launch()
+        self._prepared_at = None
 
     # ---- model-space state ([Note: model-space state] in aligndp/checkpoint.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:
@@ -231,21 +227,31 @@ class ShardedOptimizer(DataParallelOptimizer):
 
     def model_space_state_dict(self) -> dict[str, object]:
         """Owned fp32 params and optimizer state keyed by param name; see aligndp/checkpoint.py."""
-        self.gather.wait_all()
-        names = [p.segment.name for p in self.pieces]
         extents = {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
         sd: dict[str, object] = {f"param.{p.segment.name}": FlatPiece(p.master.detach(), p.segment.offset,
                                                                        p.param.numel()) for p in self.pieces}
-        return sd | torch_state_to_model_space(self.inner[0], names, extents)
+        return sd | torch_state_to_model_space(self.inner[0], self._piece_names, extents)
 
     @torch.no_grad()
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
-        """Inverse of :meth:`model_space_state_dict` for this rank's (possibly different) ownership."""
-        self.gather.wait_all()
+        """Inverse of :meth:`model_space_state_dict` for this rank's (possibly different) ownership;
+        the composite all-gathers afterwards."""
         for p in self.pieces:
             piece = sd[f"param.{p.segment.name}"]
             p.master.copy_(piece.tensor)
             p.buffer.param_data[p.segment.start:p.segment.end].copy_(p.master)
-        model_space_to_torch_state(self.inner[0], [p.segment.name for p in self.pieces], sd)
-        self.gather.launch()
-        self.gather.wait_all()
+        model_space_to_torch_state(self.inner[0], self._piece_names, sd)
+
+
+class ShardedOptimizer(CompositeOptimizer):
+    """ZeRO-1: a :class:`CompositeOptimizer` of one :class:`ShardedPart` over every sharded buffer."""
+
+    def __init__(self, model: DataParallel, opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                 groups: Sequence[ParamGroup] | None = None, max_grad_norm: float | None = None,
+                 overlap_param_gather: bool = False, **optimizer_kwargs) -> None:
+        part = ShardedPart(model, model.buffers_for(Mode.SHARDED), opt_class, groups=groups, **optimizer_kwargs)
+        super().__init__(model, [part], max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather)
+
+    @property
+    def pieces(self) -> list[_Piece]:
+        return self.parts[0].pieces
