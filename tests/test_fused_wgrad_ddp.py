@@ -39,16 +39,18 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(DIM, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, DIM, bias=False)  # alone in its bucket: see check_against_one_process
+        self.mix = nn.Linear(DIM, DIM, bias=False)  # used twice per forward: two fused wgrads, two mark_ready
         self.head = nn.Linear(DIM, CLASSES)  # 10 outputs: not an MX shape, stays nn.Linear
 
     def forward(self, x):
-        return self.head(x + self.fc2(F.gelu(self.fc1(x))))
+        h = x + self.fc2(F.gelu(self.fc1(x)))
+        return self.head(self.mix(torch.tanh(self.mix(h))))
 
 
 def make_mx_model() -> nn.Module:
     torch.manual_seed(0)
-    model = convert_to_mxfp8(MLP(), filter=lambda name, m: name in ("fc1", "fc2"))
-    assert isinstance(model.fc1, MXLinear) and isinstance(model.fc2, MXLinear)
+    model = convert_to_mxfp8(MLP(), filter=lambda name, m: name in ("fc1", "fc2", "mix"))
+    assert all(isinstance(m, MXLinear) for m in (model.fc1, model.fc2, model.mix))
     assert not isinstance(model.head, MXLinear)
     return model
 
@@ -71,18 +73,19 @@ def one_process_grads(step: int, ws: int) -> dict[str, torch.Tensor]:
 
 
 def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
-    # buckets in backward order: [head.bias, head.weight], [fc2.weight], [fc1.bias, fc1.weight].
-    # fc2.weight, alone and bias-free, is ready only through the fused mark_ready: were it not
-    # counted, its bucket would launch as soon as the head's did, before its wgrad lands.
+    # buckets in backward order: [head.bias, head.weight], [mix.weight], [fc2.weight], [fc1.bias,
+    # fc1.weight]. fc2.weight and mix.weight, alone and bias-free, are ready only through the fused
+    # mark_ready: were it not counted, their buckets would launch as soon as the head's did, before
+    # their wgrads land; mix.weight must be counted twice (two uses) before its bucket launches.
     # Layer-wise mode, as parallelize(optimizer="muon") uses it: the MX matrices layer-wise
     # (one bucket: whole params per shard), the rest sharded.
-    modes = {n: mode if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight") else Mode.SHARDED
+    modes = {n: mode if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight", "mix.weight") else Mode.SHARDED
              for n, _ in make_mx_model().named_parameters()}
     # start_alignment=1: only the MX layers' declared requirement can give 64-element starts
     model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=500, overlap=True, start_alignment=1),
                          modes=modes)
     weights = [m.weight for _, m in fused_wgrad_modules(model.module)]
-    assert len(weights) == 2
+    assert len(weights) == 3
     autograd_wgrads = []  # a fused weight gets no autograd gradient: its wgrad goes to main_grad
     hooks = [w.register_hook(lambda g, i=i: autograd_wgrads.append(i) if g is not None else None)
              for i, w in enumerate(weights)]
@@ -92,10 +95,10 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
     if mode is Mode.LAYERWISE:
         assert num_buckets >= 2 and {layout.mode for layout in model.layouts} == {Mode.LAYERWISE, Mode.SHARDED}
     else:
-        assert ["fc2.weight"] in buckets and num_buckets == 3, buckets
+        assert ["fc2.weight"] in buckets and ["mix.weight"] in buckets and num_buckets == 4, buckets
     for buf in model.flat_buffers:
         for slot, view in zip(buf.slots, buf.main_grads):
-            if slot.name in ("fc1.weight", "fc2.weight"):
+            if slot.name in ("fc1.weight", "fc2.weight", "mix.weight"):
                 assert view.data_ptr() % (64 * view.element_size()) == 0, "MXFP8 wgrad needs 64-element starts"
     for step in range(STEPS):
         model.zero_grad_buffer()
