@@ -414,8 +414,10 @@ def case_wrap_broadcasts_rank0_params_and_buffers(rank, ws):
         theirs = dict(expected.named_parameters()) | dict(expected.named_buffers())
         ours = dict(module.named_parameters()) | dict(module.named_buffers())
         assert ours.keys() == theirs.keys()
-        for n, t in ours.items():
-            assert torch.equal(t.detach(), theirs[n]), f"{what}: {n} is not rank 0's after wrapping (rank {rank})"
+        differ = [n for n, t in ours.items() if not torch.equal(t.detach(), theirs[n])]
+        every: list[list[str]] = [None] * ws  # type: ignore[list-item]
+        dist.all_gather_object(every, differ)  # fail on every rank at once: no rank left in a collective
+        assert not any(every), f"{what}: not rank 0's values after wrapping, per rank: {every}"
 
 
 def run_sgd_against_one_process(rank, ws, *, sharding: str, max_grad_norm: float | None, steps: int = 4):
