@@ -155,6 +155,10 @@ def collective_timeout(timeout: float | datetime.timedelta | None = None) -> dat
 
 _SIDE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 """Global ranks of a group -> its side gloo group for monitored barriers."""
+_BROKEN: set[tuple[int, ...]] = set()
+"""Side groups whose barrier timed out on this rank: gloo has closed their connections.
+They stay cached (dropping one on this rank only would make the next prepare_side_group a
+collective that the other ranks skip)."""
 
 
 def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -163,7 +167,7 @@ def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 
 def prepare_side_group(group: dist.ProcessGroup | None = None, *, renew: bool = False,
                        timeout: float | datetime.timedelta | None = None) -> dist.ProcessGroup:
-    """Create (collectively, on every rank of the default group) the side gloo group that
+    """Create (collectively, on every rank of ``group``) the side gloo group that
     :func:`expect_all_ranks` uses for ``group``; a no-op when it exists, unless ``renew``.
 
     A failed monitored barrier closes its gloo connections: ``renew=True`` (on every rank)
@@ -171,8 +175,15 @@ def prepare_side_group(group: dist.ProcessGroup | None = None, *, renew: bool = 
     """
     ranks = _ranks(group)
     if renew or ranks not in _SIDE_GROUPS:
-        side = dist.new_group(list(ranks), backend="gloo", timeout=collective_timeout(timeout))
+        # Over a subgroup only its ranks take part (local synchronisation); torch then names the
+        # new group by its ranks, so such a group cannot be renewed (the name would collide).
+        subgroup = len(ranks) < dist.get_world_size()
+        if renew and subgroup and ranks in _SIDE_GROUPS:
+            raise ValueError(f"prepare_side_group(renew=True) works for a group of every rank, not the subgroup {ranks}")
+        side = dist.new_group(list(ranks), backend="gloo", timeout=collective_timeout(timeout),
+                              use_local_synchronization=subgroup)
         _SIDE_GROUPS[ranks] = side
+        _BROKEN.discard(ranks)
     return _SIDE_GROUPS[ranks]
 
 
@@ -190,6 +201,9 @@ def expect_all_ranks(what: str, group: dist.ProcessGroup | None = None, *,
     fix = (f"{what} is collective: call it on every rank (not under `if rank == 0:`), at the same point of "
            f"the program. Timeout: timeout= or {TIMEOUT_ENV} (seconds, default {DEFAULT_COLLECTIVE_TIMEOUT_S:g})")
     rank = dist.get_rank(group)
+    if _ranks(group) in _BROKEN:
+        raise RanksOutOfStepError(f"rank {rank} called {what} after an earlier collective timed out and left the "
+                                  "ranks out of step; end the job and start it again")
     try:
         side = prepare_side_group(group, timeout=limit)
     except RuntimeError as e:
@@ -199,7 +213,7 @@ def expect_all_ranks(what: str, group: dist.ProcessGroup | None = None, *,
     try:
         dist.monitored_barrier(side, timeout=limit, wait_all_ranks=True)
     except RuntimeError as e:
-        _SIDE_GROUPS.pop(_ranks(group), None)  # its connections are closed now
+        _BROKEN.add(_ranks(group))  # its connections are closed now
         missing = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))
         if rank == 0 and missing:
             who = f"rank(s) {missing.group(1).strip()} did not reach it within {seconds}"

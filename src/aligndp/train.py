@@ -173,7 +173,6 @@ def preflight(config: TrainConfig) -> None:
     import torch
 
     from aligndp.data import BatchSpec
-    from aligndp.run_dir import check_run_dirs
     from aligndp.train_loop import latest_checkpoint, load_data, wgrad_backend
 
     cfg = PRESETS[config.preset]
@@ -189,7 +188,6 @@ def preflight(config: TrainConfig) -> None:
                 f"--nproc {config.nproc} ranks need {config.nproc} GPUs, torch sees "
                 f"{torch.cuda.device_count()}; use --nproc {torch.cuda.device_count()}"
             )
-    check_run_dirs(config)
     if config.resume and latest_checkpoint(config.checkpoint_path) is None:
         raise ValueError(
             f"--resume but {config.checkpoint_path} holds no checkpoint; run once with "
@@ -238,7 +236,7 @@ def train(config: TrainConfig) -> dict:
     the run (this one, or torchrun's rank 0) holds the run directories' locks and writes
     their run.json ([Note: run directories] in run_dir.py).
     """
-    from aligndp.run_dir import RunLock, check_not_files, clear_outputs, write_run_files
+    from aligndp.run_dir import RunLock, check_not_files, check_run_dirs, clear_outputs, write_run_files
     from aligndp.train_loop import train_worker
 
     if _inside_torchrun():
@@ -247,9 +245,10 @@ def train(config: TrainConfig) -> dict:
     owner = not _inside_torchrun() or int(os.environ["RANK"]) == 0
     locks: list[RunLock] = []
     try:
-        if owner:
+        if owner:  # torchrun's other ranks would see the run.json rank 0 writes: only the owner checks
             locks = [RunLock(d).acquire() for d in _run_dirs(config)]
-        preflight(config)  # under the lock: what --out holds cannot change under us
+            check_run_dirs(config)  # under the lock: what --out holds cannot change under us
+        preflight(config)
         if owner:
             if config.overwrite:
                 for directory in {config.out, config.checkpoint_path}:
