@@ -180,6 +180,30 @@ def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
+def test_a_rank_left_behind_ends_the_run_within_timeout(tmp_path, capsys, monkeypatch):
+    """Rank 1 stalls at step 3 (as in a long evaluation): rank 0's next collective gives up
+    after --timeout 5 s, not torch's 30 minutes, and the run exits 1 naming the rank."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import time\n"
+        "import aligndp.train_loop as loop\n"
+        "original = loop._train_step\n"
+        "def stalling(job, step):\n"
+        "    if step == 3 and job.rank == 1:\n"
+        "        time.sleep(120)\n"
+        "    return original(job, step)\n"
+        "loop._train_step = stalling\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    started = time.monotonic()
+    assert cli.main(["train", *QUICK, "--nproc", "2", "--steps", "6", "--timeout", "5",
+                     "--out", str(tmp_path / "run")]) == 1
+    took = time.monotonic() - started
+    assert took < 40, f"took {took:.0f} s with --timeout 5"
+    assert "aligndp train: error: rank 0 (exit status 1) failed" in capsys.readouterr().err
+
+
 def test_lock_release_leaves_another_process_lock(tmp_path):
     lock = RunLock(str(tmp_path)).acquire()
     (tmp_path / LOCK_FILE).write_text("1 elsewhere\n")  # replaced by someone else meanwhile
