@@ -316,22 +316,34 @@ def train_losses(model, steps, *, batch=8, seq_len=64, seed=0):
     return torch.tensor(losses)
 
 
-def test_mxfp8_gpt_follows_fp32_loss_curve():
-    """100 AdamW steps of the demo GPT, fp32 vs MXFP8 (8 of 9 Linears converted, reference
-    backend). Measured on CPU: loss 5.56 -> 0.016 for both, max |loss gap| 0.023 here
-    (batch 4 x 32; 0.013 at batch 8 x 64); the bound 0.1 leaves margin across BLAS builds."""
+@pytest.fixture
+def one_thread():
+    """One BLAS thread for the GPT training tests: with two, they took minutes instead of
+    seconds on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_mxfp8_gpt_follows_fp32_loss_curve(one_thread):
+    """Quality, not correctness: 40 AdamW steps of the demo GPT, fp32 vs MXFP8 (8 of 9 Linears
+    converted, reference backend). Measured on CPU: loss 5.56 -> 0.242 (fp32) and 0.243 (MXFP8),
+    max |loss gap| 0.011, first step 0.0017; bounds 5x that for other BLAS builds. A rounding
+    bug in the quantiser is the torchao comparison's job (below): it hides inside these bounds."""
     torch.manual_seed(0)
     base = GPT(PRESETS["demo"])
     mx_model = convert_to_mxfp8(copy.deepcopy(base))
-    ref, ours = train_losses(base, 100, batch=4, seq_len=32), train_losses(mx_model, 100, batch=4, seq_len=32)
+    ref = train_losses(base, 40, batch=4, seq_len=32)
+    ours = train_losses(mx_model, 40, batch=4, seq_len=32)
     gap = (ours - ref).abs()
-    assert ref[-1] < 0.5 * ref[0] and ours[-1] < 0.5 * ours[0]
-    assert gap.max() < 0.1, gap.max()
-    assert gap[0] < 0.02
+    assert ref[-1] < 0.1 * ref[0] and ours[-1] < 0.1 * ours[0]
+    assert gap.max() < 0.05, gap.max()
+    assert gap[0] < 0.01
 
 
 @NEEDS_TORCHAO
-def test_mxfp8_gpt_trains_like_the_torchao_emulation():
+def test_mxfp8_gpt_trains_like_the_torchao_emulation(one_thread):
     """10 AdamW steps of the demo GPT with MXLinear against the same GPT whose Linears quantise
     with torchao: the losses agree to 1e-5 relative at every step, and the first step's
     gradients to fp32 rounding. A rounding change in the quantiser (scale or elements) moves
