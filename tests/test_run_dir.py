@@ -204,6 +204,21 @@ def test_a_rank_left_behind_ends_the_run_within_timeout(tmp_path, capsys, monkey
     assert "aligndp train: error: rank 0 (exit status 1) failed" in capsys.readouterr().err
 
 
+def test_a_full_disk_at_a_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device", "__0_0.distcp")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
+    assert train("--checkpoint-every", "2", out=tmp_path) == 2
+    line = error_line(capsys)
+    assert "step-000002' failed on rank(s) [0]: no space left on the device (__0_0.distcp)" in line, line
+    assert not (tmp_path / "checkpoints" / "step-000002.partial").exists()
+
+
 def test_lock_release_leaves_another_process_lock(tmp_path):
     lock = RunLock(str(tmp_path)).acquire()
     (tmp_path / LOCK_FILE).write_text("1 elsewhere\n")  # replaced by someone else meanwhile

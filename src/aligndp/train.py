@@ -80,7 +80,7 @@ class TrainConfig:
     data: str | None = None
     """Training text: a text file (bytes) or a nanoGPT-style uint16 .bin file (default: embedded synthetic arithmetic)."""
     timeout: float = 300.0
-    """Seconds a rank waits for the others in a collective (and in save/load) before the run fails."""
+    """Seconds a rank waits for the others in a collective (and in save/load) before the run fails; raise it when writing a checkpoint takes longer."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:

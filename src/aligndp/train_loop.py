@@ -241,7 +241,11 @@ def _train(config: TrainConfig) -> dict:
         if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
             eval_loss = record["eval_loss"] = _evaluate(job)
         if config.checkpoint_every and done % config.checkpoint_every == 0:
-            _checkpoint(job, done)
+            try:
+                _checkpoint(job, done)
+            except (ValueError, OSError) as e:  # raised alike on every rank ([Note: checkpoint safety])
+                progress.close()
+                return {"error": str(e)}
         metrics.write(record)
         progress.update(record)
     progress.close()
