@@ -8,32 +8,11 @@ own threads, so a launched collective overlaps the rest of backward):
     comm (NCCL stream / gloo)      └──── reduce bucket 0 ─────┘ └──── reduce bucket 1 ──── ┘
     end of backward (autograd callback): launch what is left, wait for all, agree, publish.
 
-[Note: step states]
-A ``DataParallel`` is always in one of three :class:`StepState` s:
-
-- ``IDLE`` (after ``zero_grad``): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
-  no ``param.grad`` is set.
-- ``ACCUMULATING``: gradients are arriving — backward passes under ``no_sync()`` add into the
-  buffers locally; a synchronised backward also launches bucket collectives as buckets fill.
-- ``REDUCED``: a synchronised backward has finished (torch DDP's contract: reduction is done
-  when ``backward()`` returns). Its autograd end-of-backward callback launched every bucket not
-  yet launched, waited for all of them and then *agreed* with the other ranks in one small
-  all-reduce of per-param flags (``_agree``): which params got a gradient on any rank, and
-  which raised a problem (non-finite values, a stale read). Gradients are then *published*:
-  a replicated param's ``param.grad`` is its reduced ``main_grad`` view (so
-  ``clip_grad_norm_``, ``GradScaler.unscale_`` and logging see and edit the real thing); a
-  sharded or layer-wise param's ``param.grad`` is a :class:`~aligndp.grads.ShardedGrad` that
-  refuses every use with the alternative. A param no rank used keeps ``param.grad = None``,
-  so the optimizer leaves it untouched, as torch DDP with ``find_unused_parameters=True``.
-
-Transitions: ``zero_grad`` → IDLE from anywhere. A gradient arriving in IDLE or REDUCED → 
-ACCUMULATING; from REDUCED this *reopens* the buffers so the next reduction adds to the
-visible gradient, as torch accumulates into ``param.grad`` without ``zero_grad``: a replicated
-view keeps its value (or takes ``param.grad`` if the user replaced it, zero if the user
-dropped it), a sharded view keeps ``dp_size`` × its own shard and zeros elsewhere, so the next
-mean over ranks is old mean + new mean. A forward through the wrapper with grad enabled
-reopens as well, before autograd would accumulate into a ``ShardedGrad``. ``step()`` in
-ACCUMULATING (only ``no_sync`` backwards so far) runs the reduction first.
+[Note: step states] (DESIGN.md): IDLE after ``zero_grad``; ACCUMULATING while gradients
+arrive; REDUCED once a synchronised backward ended — its autograd callback launched what was
+left, waited, agreed with the other ranks in one small all-reduce (``_agree``) and published
+``param.grad`` (the reduced view, or a ``ShardedGrad`` in sharded modes). A gradient arriving
+in REDUCED reopens the buffers first (``_reopen``), as torch accumulates into ``param.grad``.
 
 [Note: bucket readiness]
 Each param's autograd hook fires once per backward; a fused-wgrad layer marks its weight
@@ -54,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -62,18 +40,40 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from aligndp.agreement import check_ranks_agree, prepare_side_group
 from aligndp.buffer import FlatBuffer
-from aligndp.collectives import all_reduce_mean, reduce_scatter_mean
 from aligndp.fused import fused_wgrad_modules
-from aligndp.grads import ShardedGrad, same_storage
+from aligndp.grad_sync import BucketRef, GradSync, StepState, _Slot
+from aligndp.grads import ShardedGrad
 from aligndp.layout import DEFAULT_START_ALIGNMENT, BufferLayout, Mode, ParamSpec, Requirement, plan_buffers
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
 
 NONFINITE_ACTIONS = ("raise", "skip")
 
-_OWNER: "weakref.WeakKeyDictionary[nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
-"""param -> the DataParallel whose hooks take its gradients (one owner at a time)."""
+_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""id(param) -> (the param, the DataParallel whose hooks take its gradients), both weakly:
+one owner at a time. (Tensors cannot be keys of a WeakKeyDictionary: it compares keys with ==.)"""
+
+
+def _owner_of(param: nn.Parameter) -> "DataParallel | None":
+    entry = _OWNER.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+class _WrappedParameter(nn.Parameter):
+    """The class of a trainable ``nn.Parameter`` once a :class:`DataParallel` owns it: its
+    ``main_grad`` is its buffer view, zeroed on first touch after ``zero_grad`` ([Note: lazy
+    zeroing]), so Megatron / Transformer Engine style writes into ``param.main_grad`` count."""
+
+    @property
+    def main_grad(self) -> torch.Tensor:
+        owner = _owner_of(self)
+        if owner is None or owner._replaced:
+            raise AttributeError("main_grad: this param's DataParallel is gone; wrap the module again")
+        return owner.main_grad_view(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,47 +115,7 @@ class DDPConfig:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class BucketRef:
-    """One bucket of one buffer."""
-
-    buffer: int
-    bucket: int
-
-
-class StepState(enum.Enum):
-    """Where a :class:`DataParallel` is in its step ([Note: step states])."""
-
-    IDLE = "idle"
-    ACCUMULATING = "accumulating"
-    REDUCED = "reduced"
-
-
-@dataclasses.dataclass
-class _Slot:
-    """Where one trainable param lives: its buffer, bucket, ``main_grad`` view, and the
-    ``[lo, hi)`` of its flattened elements this rank owns after a reduce-scatter (sharded and
-    layer-wise buffers; ``None`` when replicated)."""
-
-    index: int
-    ref: BucketRef
-    view: torch.Tensor
-    owned: tuple[int, int] | None
-    sharded_grad: ShardedGrad | None
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundReport:
-    """What the last synchronised backward did (for tests, logs and benchmarks)."""
-
-    launched_during_backward: int
-    """Buckets whose collective started before the end of backward (overlap)."""
-    buckets: int
-    used: int
-    """Params that had a gradient on at least one rank."""
-
-
-class DataParallel(nn.Module):
+class DataParallel(GradSync, nn.Module):
     """Wrap an unmodified module; keep its grads in aligned flat buffers reduced by bucket.
 
     ``modes`` maps param names to a :class:`~aligndp.layout.Mode` (default: every param
@@ -194,7 +154,7 @@ class DataParallel(nn.Module):
             )
         self.device = devices.pop()
         if self.device.type == "meta":
-            raise ValueError(f"the module's params are on the meta device: materialise it first "
+            raise ValueError("the module's params are on the meta device: materialise it first "
                              "(module.to_empty(device=...), then initialise it), then wrap it")
         modes = dict(modes or {})
         unknown = set(modes) - {n for n, _ in named}
@@ -203,14 +163,16 @@ class DataParallel(nn.Module):
         fused = fused_wgrad_modules(module)
         self.requirements = tuple(requirements) + tuple(r for _, m in fused for r in m.wgrad_requirements())
 
-        if config.broadcast_at_wrap and self.dp_size > 1:
-            self._broadcast_from_rank0()
-
         layouts = plan_buffers(
             [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in named], modes=modes, dp_size=self.dp_size,
             bucket_numel=config.bucket_numel, requirements=self.requirements,
             start_alignment=config.start_alignment, grad_dtype=config.grad_dtype,
         )
+        if self.dp_size > 1:  # [Note: ranks agree] in aligndp/agreement.py, before any shape-dependent collective
+            check_ranks_agree(module.named_parameters(), layouts, group=process_group)
+            prepare_side_group(process_group)
+        if config.broadcast_at_wrap and self.dp_size > 1:
+            self._broadcast_from_rank0()
         by_name = dict(named)
         self.flat_buffers: list[FlatBuffer] = [
             FlatBuffer(layout, [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
@@ -233,43 +195,28 @@ class DataParallel(nn.Module):
         self.bucket_refs: list[BucketRef] = [
             BucketRef(i, b) for i, buf in enumerate(self.flat_buffers) for b in range(len(buf.layout.buckets))
         ]
-        self._bucket_params = {ref: [p for p in self.params if self._slot[p].ref == ref] for ref in self.bucket_refs}
-        self._position = {ref: k for k, ref in enumerate(self.bucket_refs)}
 
-        self.state = StepState.IDLE
-        self._expected: dict[nn.Parameter, int] | None = None  # readiness hints ([Note: bucket readiness])
-        self._fired: dict[nn.Parameter, int] = dict.fromkeys(self.params, 0)
-        self._stale: set[nn.Parameter] = set(self.params)  # [Note: lazy zeroing]
-        self._used: set[nn.Parameter] = set()  # had a gradient on this rank since the last reduction
-        self._published: set[nn.Parameter] = set()  # param.grad set by us ([Note: step states])
-        self._problems: dict[str, set[nn.Parameter]] = {"late": set(), "stale_read": set()}
-        self._nonfinite: torch.Tensor | None = None
-        self._works: dict[BucketRef, dist.Work | None] = {}
-        self._next_launch = 0
-        self._launched_in_backward = 0
-        self._sync_enabled = True
-        self._callback_queued = False
-        self._unwaited: set[nn.Parameter] = set()
+        self._init_grad_sync()
         self._param_gather = None
         self._joined: _Join | None = None
-        self.nonfinite: str | None = None
-        """The agreed message of the last reduction when a gradient was not finite, else None."""
-        self.last_round: RoundReport | None = None
-        self.reductions = 0
-        """Counts reductions and zero_grads: what optimizers bound to the gradients is valid while it is unchanged."""
         self._replaced = False
+        self._eager_zero: set[nn.Parameter] = set()
         self._claim_params(fused)
 
     # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
     def _claim_params(self, fused) -> None:
         me = weakref.ref(self)
         for p in self.params:
-            old = _OWNER.get(p)
-            old = old() if old is not None else None
+            old = _owner_of(p)
             if old is not None and old is not self:
                 old.remove_hooks()
                 old._replaced = True
-            _OWNER[p] = me
+            _OWNER[id(p)] = (weakref.ref(p), me)
+            if type(p) is nn.Parameter:  # main_grad becomes a property that zeroes a stale view
+                p.__class__ = _WrappedParameter
+                p.__dict__.pop("main_grad", None)
+            elif not isinstance(p, _WrappedParameter):
+                self._eager_zero.add(p)  # another Parameter subclass keeps the attribute: zero it eagerly
 
         def hook(param: nn.Parameter, _me=me) -> None:
             owner = _me()
@@ -279,254 +226,6 @@ class DataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         for _, m in fused:
             m.bind_grad_sink(self)
-
-    # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/fused.py) ----
-    def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
-        slot = self._slot.get(param)
-        if slot is None:
-            return None
-        self._reopen()
-        self._take(param)
-        return slot.view
-
-    def mark_ready(self, param: nn.Parameter) -> None:
-        self._queue_end_of_backward()
-        self._reopen()
-        self._arrived(param)
-
-    # ---- hooks ----
-    def _on_grad(self, param: nn.Parameter) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        self._queue_end_of_backward()
-        view = self._slot[param].view
-        if param in self._published:  # accumulated by autograd on top of the visible grad
-            self._published.discard(param)
-            if not same_storage(grad, view):
-                view.copy_(grad.view_as(view))
-        else:
-            self._reopen()
-            if param in self._stale:
-                self._stale.discard(param)
-                view.copy_(grad.view_as(view))
-            else:
-                view.add_(grad.view_as(view))
-        param.grad = None
-        self._reopen()
-        self._arrived(param)
-
-    def _arrived(self, param: nn.Parameter) -> None:
-        self.state = StepState.ACCUMULATING
-        self._used.add(param)
-        if param in self._unwaited:
-            self._problems["stale_read"].add(param)
-        if not self._sync_enabled:
-            return
-        self._fired[param] += 1
-        if self._position[self._slot[param].ref] < self._next_launch:
-            self._problems["late"].add(param)  # only a fused layer used more often than last time
-        elif self._expected is not None and self.config.overlap:
-            self._launch_ready()
-            self._launched_in_backward = self._next_launch
-
-    def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        if self._sync_enabled and not self._replaced:
-            self.finish_grad_sync()
-
-    def _take(self, param: nn.Parameter) -> None:
-        """Zero a stale view before something accumulates into or reads it."""
-        if param in self._stale:
-            self._stale.discard(param)
-            self._slot[param].view.zero_()
-
-    @torch.no_grad()
-    def _reopen(self) -> None:
-        """REDUCED -> ACCUMULATING: make the buffers hold the visible grads again ([Note: step states])."""
-        if self.state is not StepState.REDUCED:
-            return
-        self.state = StepState.ACCUMULATING
-        for p in list(self._published):
-            slot, grad = self._slot[p], p.grad
-            flat = slot.view.view(-1)
-            if grad is None:  # dropped by the user (model.zero_grad(), p.grad = None)
-                flat.zero_()
-            elif slot.owned is None:
-                if not same_storage(grad, slot.view):
-                    slot.view.copy_(grad.view_as(slot.view))
-                self._used.add(p)
-            else:  # own shard x dp_size, zeros elsewhere: the next mean adds the new mean to it
-                lo, hi = slot.owned
-                flat[:lo].zero_()
-                flat[hi:].zero_()
-                flat[lo:hi].mul_(self.dp_size)
-                self._used.add(p)
-            p.grad = None
-        self._published.clear()
-
-    # ---- readiness and collectives ----
-    def _bucket_ready(self, ref: BucketRef) -> bool:
-        assert self._expected is not None
-        return all(0 < self._expected[p] <= self._fired[p] for p in self._bucket_params[ref])
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.bucket_refs) and self._bucket_ready(self.bucket_refs[self._next_launch]):
-            self._launch(self.bucket_refs[self._next_launch])
-
-    def _launch(self, ref: BucketRef) -> None:
-        assert ref == self.bucket_refs[self._next_launch], "buckets launch in index order"
-        buf = self.flat_buffers[ref.buffer]
-        for p in self._bucket_params[ref]:
-            self._take(p)
-        if self.config.check_finite:
-            self._check_finite(ref)
-        grad = buf.bucket_grad(ref.bucket)
-        if self.dp_size == 1:
-            self._works[ref] = None
-        elif buf.layout.mode is Mode.REPLICATED:
-            self._works[ref] = all_reduce_mean(grad, group=self.process_group)
-        else:
-            self._works[ref] = reduce_scatter_mean(grad, group=self.process_group)
-        self._next_launch += 1
-
-    def _check_finite(self, ref: BucketRef) -> None:
-        """Count non-finite local gradient elements per param, on the device (no sync)."""
-        if self._nonfinite is None:
-            self._nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        params = self._bucket_params[ref]
-        index = torch.tensor([self._slot[p].index for p in params], device=self.device)
-        counts = torch.stack([(~torch.isfinite(self._slot[p].view)).sum() for p in params])
-        self._nonfinite.index_add_(0, index, counts.to(torch.int32))
-
-    def finish_grad_sync(self) -> None:
-        """Reduce what has accumulated (launch every bucket not yet launched, wait for all),
-        agree with the other ranks and publish ``param.grad``; a no-op unless ACCUMULATING.
-        Runs by itself at the end of every synchronised backward."""
-        if self.state is not StepState.ACCUMULATING:
-            return
-        while self._next_launch < len(self.bucket_refs):
-            self._launch(self.bucket_refs[self._next_launch])
-        for work in self._works.values():
-            if work is not None:
-                work.wait()
-        used, nonfinite, problems = self._agree()
-        self.last_round = RoundReport(self._launched_in_backward, len(self.bucket_refs), len(used))
-        self._expected = dict(self._fired)
-        self._reset_round()
-        self.reductions += 1
-        self.state = StepState.REDUCED
-        for p in used:
-            slot = self._slot[p]
-            if slot.sharded_grad is not None:
-                p.grad = slot.sharded_grad
-            else:
-                p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)
-            self._published.add(p)
-        self.nonfinite = None
-        if nonfinite:
-            self.nonfinite = (
-                f"non-finite (NaN/Inf) gradient elements before the reduction: {nonfinite}; "
-                + ("the optimizer step is skipped on every rank" if self.config.on_nonfinite == "skip" else
-                   "lower the learning rate or check the loss, then call opt.zero_grad() to drop this step "
-                   "(or parallelize(..., on_nonfinite='skip') to skip such steps on every rank)")
-            )
-            if self.config.on_nonfinite == "raise":
-                raise FloatingPointError(self.nonfinite)
-        if problems:
-            raise RuntimeError(problems)
-
-    def _agree(self) -> tuple[list[nn.Parameter], str, str]:
-        """One all-reduce of per-param flags: used on any rank, non-finite elements, problems."""
-        n = len(self.params)
-        flags = [1 if p in self._used else 0 for p in self.params]
-        for kind in ("late", "stale_read"):
-            flags += [1 if p in self._problems[kind] else 0 for p in self.params]
-        local = torch.tensor(flags, dtype=torch.int32, device=self.device)
-        if self.config.check_finite:
-            counts = self._nonfinite if self._nonfinite is not None else torch.zeros(n, dtype=torch.int32,
-                                                                                     device=self.device)
-            on_rank = torch.zeros(self.dp_size, dtype=torch.int32, device=self.device)
-            on_rank[self.rank] = counts.sum()
-            local = torch.cat([local, counts, on_rank])
-        if self.dp_size > 1:
-            dist.all_reduce(local, group=self.process_group)
-        values = local.tolist()
-        used = [p for p, v in zip(self.params, values[:n]) if v]
-        late = [self.param_names[p] for p, v in zip(self.params, values[n:2 * n]) if v]
-        stale = [self.param_names[p] for p, v in zip(self.params, values[2 * n:3 * n]) if v]
-        nonfinite = ", ".join(f"{self.param_names[p]!r}: {v} element(s)" for p, v in
-                              zip(self.params, values[3 * n:4 * n]) if v)
-        if nonfinite:
-            ranks = [r for r, v in enumerate(values[4 * n:]) if v]
-            nonfinite = f"{nonfinite} on " + ", ".join(f"rank {r}" for r in ranks)
-        problems = []
-        if late:
-            problems.append(f"params {late[:5]} received a gradient after their bucket's collective started "
-                            "(a fused-wgrad layer used more often than in the previous step); that contribution "
-                            "is lost: call opt.zero_grad() and repeat the step, or build the model so every "
-                            "fused layer is used the same number of times per step")
-        if stale:
-            problems.append(f"params {stale[:5]} were read in forward before their all-gather was waited for "
-                            "(read outside their own module's forward, e.g. F.linear(x, self.head.weight) or a "
-                            "tied weight), so the forward used stale values: use overlap_param_gather=False, or "
-                            "call the module that owns them")
-        return used, nonfinite, "; ".join(problems)
-
-    def _reset_round(self) -> None:
-        self._fired = dict.fromkeys(self._fired, 0)
-        self._works.clear()
-        self._next_launch = 0
-        self._launched_in_backward = 0
-        self._used = set()
-        self._problems = {"late": set(), "stale_read": set()}
-        self._nonfinite = None
-        self._unwaited = set()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (micro-batches); the next backward outside syncs them."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-    def zero_grad_buffer(self) -> None:
-        """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
-        every ``param.grad`` is dropped."""
-        self._stale = set(self.params)
-        for p in self.params:
-            p.grad = None
-        self._published.clear()
-        self._reset_round()
-        self._callback_queued = False
-        self.nonfinite = None
-        self.reductions += 1
-        self.state = StepState.IDLE
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Same as ``opt.zero_grad()``. ``set_to_none=False`` keeps zero gradients visible, so
-        params unused in the next step are still stepped (with zero gradient), as in torch."""
-        self.zero_grad_buffer()
-        if not set_to_none:
-            self._used = set(self.params)
-            self.state = StepState.ACCUMULATING
-
-    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
-        """The ``main_grad`` view of ``param`` after a reduction (this rank's shard is valid in
-        sharded and layer-wise buffers); for optimizers, which read it without reopening."""
-        return self._slot[param].view
-
-    def has_grad(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` has a reduced gradient to step with (some rank used it)."""
-        return param in self._published
 
     # ---- params and buffers ----
     def _broadcast_from_rank0(self) -> None:

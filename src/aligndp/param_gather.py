@@ -117,6 +117,11 @@ class ParamGather:
         """Wait for every gather still in flight: call before reading params outside forward."""
         self.wait(list(self._pending))
 
+    def pending_params(self) -> set:
+        """The params of every bucket whose gather is still in flight."""
+        pending = set(self._pending)
+        return {p for i, buf in enumerate(self.buffers) for p, s in zip(buf.params, buf.slots) if (i, s.bucket) in pending}
+
     @property
     def in_flight(self) -> int:
         return len(self._pending)
