@@ -112,12 +112,9 @@ def check_run_dirs(config) -> None:
 
 def write_run_files(config, directories: list[str]) -> str:
     """Write ``run.json`` into each directory (kept when resuming); returns the run id."""
-    run_id = None
-    for directory in directories:
-        run = _read_run(directory) if config.resume else None
-        if run is not None:
-            run_id = run["run_id"]
-    run = {"run_id": run_id or uuid.uuid4().hex[:12], "created": datetime.datetime.now().isoformat(timespec="seconds"),
+    earlier = [run for run in map(_read_run, directories) if run is not None] if config.resume else []
+    run = {"run_id": uuid.uuid4().hex[:12], "created": datetime.datetime.now().isoformat(timespec="seconds"),
+           **{k: earlier[0][k] for k in ("run_id", "created") if earlier and k in earlier[0]},
            "config": _identity(config), "options": dataclasses.asdict(config)}
     for directory in directories:
         os.makedirs(directory, exist_ok=True)
