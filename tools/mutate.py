@@ -166,6 +166,9 @@ BREAKS: list[Break] = [
       "FlatPiece(value.detach().reshape(-1), offset=offset, numel=numel)",
       "FlatPiece(value.detach().reshape(-1), offset=0, numel=numel)",
       "tests/test_checkpoint.py", "checkpoints"),
+    B("checkpoint_drops_muon_momentum", "optim/layerwise.py",
+      "return sd | torch_state_to_model_space(self.inner[0], self.names, extents)", "return sd",
+      "tests/test_muon.py", "checkpoints"),
     # ---- MX formats and fused wgrad ----
     B("mx_scale_round_to_nearest", "mx/format.py",
       "exponent = ((amax.view(torch.int32) >> _F32_MANTISSA_BITS) & 0xFF) - _E8M0_BIAS",
