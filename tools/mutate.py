@@ -61,7 +61,7 @@ def B(name: str, file: str, original: str, replacement: str, tests: str | tuple[
 
 DDP_T = "tests/test_ddp.py"
 # One row per break: (name, file under src/aligndp, original snippet, replacement, tests, area).
-# Files being rewritten (ddp.py, optim/*, parallelize.py, param_gather.py, checkpoint.py, train*.py)
+# Files being rewritten (ddp.py, grad_sync.py, optim/*, parallelize.py, param_gather.py, checkpoint.py, train*.py)
 # need their snippets refreshed whenever that code changes: --check-snippets lists the stale ones.
 BREAKS: list[Break] = [
     # ---- layout planner (layout.py, assign.py) ----
@@ -108,31 +108,31 @@ BREAKS: list[Break] = [
       "out = shard_of(bucket, rank=dist.get_rank(group), dp_size=dist.get_world_size(group))",
       "out = shard_of(bucket, rank=0, dp_size=dist.get_world_size(group))",
       "tests/test_zero1.py", "collectives"),
-    B("bucket_collective_skipped", "ddp.py",
+    B("bucket_collective_skipped", "grad_sync.py",
       "self._works[ref] = all_reduce_mean(grad, group=self.process_group)",
       "self._works[ref] = None if ref.bucket == 1 else all_reduce_mean(grad, group=self.process_group)",
       DDP_T + "::test_case_sgd_several_buckets_matches_one_process", "DDP collectives"),
-    B("readiness_counts_once", "ddp.py",  # matters for a fused layer used twice (autograd fires once)
+    B("readiness_counts_once", "grad_sync.py",  # matters for a fused layer used twice (autograd fires once)
       "self._fired[param] += 1", "self._fired[param] = 1",
       "tests/test_fused_wgrad_ddp.py", "DDP readiness"),
-    B("readiness_any_param_of_bucket", "ddp.py",
+    B("readiness_any_param_of_bucket", "grad_sync.py",
       "return all(0 < self._expected[p] <= self._fired[p] for p in self._bucket_params[ref])",
       "return any(0 < self._expected[p] <= self._fired[p] for p in self._bucket_params[ref])",
       DDP_T + "::test_case_grads_match_torch_ddp_overlap", "DDP readiness"),
-    B("stale_view_not_zeroed", "ddp.py",
+    B("stale_view_not_zeroed", "grad_sync.py",
       "            self._slot[param].view.zero_()", "            pass",
       DDP_T + "::test_case_unused_param_after_zero_grad_reads_zero", "DDP lazy zeroing"),
-    B("no_sync_keeps_syncing", "ddp.py",
+    B("no_sync_keeps_syncing", "grad_sync.py",
       "        self._sync_enabled = False\n", "        self._sync_enabled = previous\n",
       DDP_T + "::test_case_no_sync_after_readiness_is_learned_launches_nothing", "no_sync"),
-    B("check_finite_misses_negative_inf", "ddp.py",
+    B("check_finite_misses_negative_inf", "grad_sync.py",
       "(~torch.isfinite(self._slot[p].view)).sum()",
       "(torch.isnan(self._slot[p].view) | (self._slot[p].view == float('inf'))).sum()",
       DDP_T + "::test_case_check_finite_names_the_param_for_nan_and_both_infinities", "check_finite"),
-    B("check_finite_nan_only", "ddp.py",
+    B("check_finite_nan_only", "grad_sync.py",
       "(~torch.isfinite(self._slot[p].view)).sum()", "torch.isnan(self._slot[p].view).sum()",
       DDP_T + "::test_case_check_finite_names_the_param_for_nan_and_both_infinities", "check_finite"),
-    B("check_finite_message_unnamed", "ddp.py",
+    B("check_finite_message_unnamed", "grad_sync.py",
       'f"{self.param_names[p]!r}: {v} element(s)"', 'f"a param: {v} element(s)"',
       DDP_T + "::test_case_check_finite_names_the_param_for_nan_and_both_infinities", "check_finite"),
     B("no_broadcast_at_wrap", "ddp.py",
