@@ -13,7 +13,9 @@ test process, spawned ranks and ``aligndp`` subprocesses alike) and reports:
 - ``caught*``: the tests errored out in another way (status 2-5: collection/import error,
   or the timeout), which counts as caught but says little;
 - ``SNIPPET NOT FOUND`` / ``SNIPPET AMBIGUOUS``: the original text is not in the file exactly
-  once — the code moved; refresh the entry (an error: the exit status is non-zero).
+  once — the code moved; refresh the entry (an error: the exit status is non-zero);
+- ``UNJUDGED``: the break's tests already fail without any break (the baseline run, skipped
+  with ``--no-baseline``), so failing with it proves nothing (an error too).
 
 Usage::
 
@@ -263,6 +265,20 @@ def locate(brk: Break, tree: pathlib.Path) -> str | None:
     return None
 
 
+def run_tests(tests: tuple[str, ...], tree: pathlib.Path, timeout: float) -> tuple[int, str, float]:
+    """``pytest -x`` on ``tests`` in ``tree``: (exit status, -1 on timeout; first failure line; seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(tree / "src") + os.pathsep + str(tree), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = -1, f"timed out after {timeout:.0f} s"
+    lines = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))] or out.strip().splitlines()[-1:]
+    return rc, (lines[0] if lines else ""), time.monotonic() - start
+
+
 def run_break(brk: Break, tree: pathlib.Path, timeout: float) -> Result:
     error = locate(brk, tree)
     if error:
@@ -270,19 +286,10 @@ def run_break(brk: Break, tree: pathlib.Path, timeout: float) -> Result:
     path = tree / PACKAGE / brk.file
     original = path.read_text()
     path.write_text(original.replace(brk.original, brk.replacement))
-    env = dict(os.environ, PYTHONPATH=str(tree / "src") + os.pathsep + str(tree), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *brk.tests]
-    start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        rc, out = -1, f"timed out after {timeout:.0f} s"
+        rc, detail, seconds = run_tests(brk.tests, tree, timeout)
     finally:
         path.write_text(original)
-    seconds = time.monotonic() - start
-    lines = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))] or out.strip().splitlines()[-1:]
-    detail = lines[0] if lines else ""
     if rc == 0:
         return Result(brk, "SURVIVED", seconds, detail)
     if rc == 1:
@@ -298,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="breaks run at once (one repository copy each)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per break")
     parser.add_argument("--check-snippets", action="store_true", help="only check that every snippet is found once")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip running each break's tests without any break first")
     parser.add_argument("--list", action="store_true", help="print the breaks and the tests meant to catch them")
     args = parser.parse_args(argv)
 
@@ -325,6 +334,28 @@ def main(argv: list[str] | None = None) -> int:
         else:
             free = list(trees)
             results = []
+            failing: dict[tuple[str, ...], str] = {}
+            if not args.no_baseline:  # the tests must pass without a break, else a failure proves nothing
+                targets = sorted({b.tests for b in selected})
+
+                def baseline(tests: tuple[str, ...]) -> tuple[tuple[str, ...], int, str]:
+                    tree = free.pop()
+                    try:
+                        rc, detail, _ = run_tests(tests, tree, args.timeout)
+                        return tests, rc, detail
+                    finally:
+                        free.append(tree)
+
+                with concurrent.futures.ThreadPoolExecutor(max_workers=len(trees)) as pool:
+                    for tests, rc, detail in pool.map(baseline, targets):
+                        if rc != 0:
+                            failing[tests] = detail
+                            print(f"BASELINE FAILS (rc {rc}) {' '.join(tests)}: {detail}", flush=True)
+                print(f"baseline: {len(targets) - len(failing)} of {len(targets)} test targets pass unbroken",
+                      flush=True)
+                unjudged = [b for b in selected if b.tests in failing]
+                results += [Result(b, "UNJUDGED", 0.0, failing[b.tests]) for b in unjudged]
+                selected = [b for b in selected if b.tests not in failing]
 
             def job(b: Break) -> Result:
                 tree = free.pop()
@@ -340,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
 
     print()
-    bad = [r for r in results if r.status.startswith(("SURVIVED", "SNIPPET"))]
+    bad = [r for r in results if r.status.startswith(("SURVIVED", "SNIPPET", "UNJUDGED"))]
     for r in results:
         if r.status.startswith("SNIPPET"):
             print(f"ERROR {r.brk.name}: {r.status}: the code moved; refresh its row in BREAKS "
@@ -348,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     survivors = [r.brk.name for r in results if r.status == "SURVIVED"]
     print(f"{len(results)} break(s): {sum(r.status.startswith('caught') for r in results)} caught, "
           f"{len(survivors)} survived{': ' + ', '.join(survivors) if survivors else ''}, "
-          f"{sum(r.status.startswith('SNIPPET') for r in results)} snippet(s) not found")
+          f"{sum(r.status.startswith('SNIPPET') for r in results)} snippet(s) not found, "
+          f"{sum(r.status == 'UNJUDGED' for r in results)} unjudged (tests fail without the break)")
     return 1 if bad else 0
 
 
