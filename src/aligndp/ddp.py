@@ -75,6 +75,11 @@ class _WrappedParameter(nn.Parameter):
             raise AttributeError("main_grad: this param's DataParallel is gone; wrap the module again")
         return owner.main_grad_view(self)
 
+    @main_grad.setter
+    def main_grad(self, value: torch.Tensor) -> None:
+        """Ignored: the owning DataParallel's view is authoritative (a new wrap's FlatBuffer
+        binds its views before it takes the params over from the old wrapper)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class DDPConfig:
@@ -285,12 +290,12 @@ class DataParallel(GradSync, nn.Module):
         """Uneven inputs: train inside ``with model.join():``. When one rank runs out of batches
         while others still train, every rank raises the same ``ValueError`` at its next forward
         (one tiny all-reduce per forward while inside) instead of hanging."""
-        self._joined = _Join(self)
+        self._joined = joined = _Join(self)
         try:
             yield
         finally:
-            joined, self._joined = self._joined, None
-            joined.leave()
+            self._joined = None
+        joined.leave()  # only after a normal exit: after an error the peers are not in step any more
 
     def remove_hooks(self) -> None:
         """Detach from the module (hooks and fused-wgrad sinks); buffers stay bound."""

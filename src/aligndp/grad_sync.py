@@ -69,6 +69,10 @@ class GradSync:
         self._bucket_params = {ref: [p for p in self.params if self._slot[p].ref == ref] for ref in self.bucket_refs}
         self._position = {ref: k for k, ref in enumerate(self.bucket_refs)}
         self.state = StepState.IDLE
+        self._pending_flags = None
+        self.reduction_listeners: list = []
+        """Called after each reduction has published ``param.grad`` (optimizers mark the tensors
+        they step, e.g. ZeRO-1's fp32 masters, the same way)."""
         self._expected: dict[nn.Parameter, int] | None = None  # readiness hints ([Note: bucket readiness])
         self._fired: dict[nn.Parameter, int] = dict.fromkeys(self.params, 0)
         self._stale: set[nn.Parameter] = set(self.params)  # [Note: lazy zeroing]
@@ -218,22 +222,38 @@ class GradSync:
         if self._nonfinite is None:
             self._nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
         params = self._bucket_params[ref]
-        index = torch.tensor([self._slot[p].index for p in params], device=self.device)
+        index = torch.tensor([self._slot[p].index for p in params])
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
         counts = torch.stack([(~torch.isfinite(self._slot[p].view)).sum() for p in params])
         self._nonfinite.index_add_(0, index, counts.to(torch.int32))
 
     def finish_grad_sync(self) -> None:
         """Reduce what has accumulated (launch every bucket not yet launched, wait for all),
         agree with the other ranks and publish ``param.grad``; a no-op unless ACCUMULATING.
-        Runs by itself at the end of every synchronised backward."""
+        Runs by itself at the end of every synchronised backward.
+
+        [Note: agreement without a host sync] The flags' all-reduce is always launched, but
+        read on the host only when this rank needs the answer now: some param had no gradient
+        here (is it used elsewhere?) or ``check_finite`` (skip or raise before the step). When
+        every param had a gradient here, every param has one globally, so nothing waits: the
+        flags are copied to pinned memory behind an event, and the problems they may carry
+        (rare: a fused layer used more often, a stale read) are raised at the end of the next
+        reduction, on every rank alike."""
         if self.state is not StepState.ACCUMULATING:
             return
+        self._raise_pending_problems()
         while self._next_launch < len(self.bucket_refs):
             self._launch(self.bucket_refs[self._next_launch])
         for work in self._works.values():
             if work is not None:
                 work.wait()
-        used, nonfinite, problems = self._agree()
+        flags = self._flags()
+        if len(self._used) == len(self.params) and not self.config.check_finite:
+            used, nonfinite, problems = self.params, "", ""
+            self._pending_flags = self._to_host_async(flags)
+        else:
+            used, nonfinite, problems = self._decode(flags.tolist())
         self.last_round = RoundReport(self._launched_in_backward, len(self.bucket_refs), len(used))
         self._expected = dict(self._fired)
         self._reset_round()
@@ -246,6 +266,8 @@ class GradSync:
             else:
                 p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)
             self._published.add(p)
+        for listener in self.reduction_listeners:
+            listener()
         self.nonfinite = None
         if nonfinite:
             self.nonfinite = (
@@ -259,13 +281,16 @@ class GradSync:
         if problems:
             raise RuntimeError(problems)
 
-    def _agree(self) -> tuple[list[nn.Parameter], str, str]:
-        """One all-reduce of per-param flags: used on any rank, non-finite elements, problems."""
+    def _flags(self) -> torch.Tensor:
+        """This rank's int32 flags, all-reduced over the ranks (sum): per param used / late /
+        stale read, then (``check_finite``) per-param non-finite counts and per-rank totals."""
         n = len(self.params)
         flags = [1 if p in self._used else 0 for p in self.params]
         for kind in ("late", "stale_read"):
             flags += [1 if p in self._problems[kind] else 0 for p in self.params]
-        local = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        local = torch.tensor(flags, dtype=torch.int32)
+        if self.device.type == "cuda":
+            local = local.pin_memory().to(self.device, non_blocking=True)
         if self.config.check_finite:
             counts = self._nonfinite if self._nonfinite is not None else torch.zeros(n, dtype=torch.int32,
                                                                                      device=self.device)
@@ -274,7 +299,33 @@ class GradSync:
             local = torch.cat([local, counts, on_rank])
         if self.dp_size > 1:
             dist.all_reduce(local, group=self.process_group)
-        values = local.tolist()
+        return local
+
+    def _to_host_async(self, flags: torch.Tensor):
+        """``(host tensor, event or None)``: the flags copied without waiting for them."""
+        if flags.device.type != "cuda":
+            return flags, None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _raise_pending_problems(self) -> None:
+        """Problems the last unread agreement carried (long finished by now): raise them everywhere."""
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is None:
+            return
+        host, event = pending
+        if event is not None:
+            event.synchronize()
+        _, _, problems = self._decode(host.tolist())
+        if problems:
+            raise RuntimeError(f"in the previous step: {problems}")
+
+    def _decode(self, values: list[int]) -> tuple[list[nn.Parameter], str, str]:
+        """The agreed flags: params used on some rank, the non-finite message, the problems."""
+        n = len(self.params)
         used = [p for p, v in zip(self.params, values[:n]) if v]
         late = [self.param_names[p] for p, v in zip(self.params, values[n:2 * n]) if v]
         stale = [self.param_names[p] for p, v in zip(self.params, values[2 * n:3 * n]) if v]

@@ -10,6 +10,7 @@ from aligndp.layout import DEFAULT_START_ALIGNMENT, Requirement
 from aligndp.optim.base import DataParallelOptimizer, resolve_optimizer_class
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart
 from aligndp.optim.groups import ParamGroupsArg, resolve_param_groups
+from aligndp.user_input import check_parallelize_inputs
 
 __all__ = ["parallelize", "SHARDINGS", "WGRAD_RECIPES"]
 
@@ -94,8 +95,7 @@ def parallelize(
     Usage reads like torch DDP: ``loss.backward(); opt.step(); opt.zero_grad()``;
     ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"parallelize() wraps an nn.Module, got {type(model).__name__}: pass the model itself")
+    check_parallelize_inputs(model, optimizer)
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
     if max_grad_norm is not None and not max_grad_norm > 0:

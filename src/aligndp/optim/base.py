@@ -152,7 +152,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     # ---- torch's optimizer state dict, rank-local ----
     def _fingerprint(self) -> dict:
         return {"dp_size": self.model.dp_size, "rank": self.model.rank,
-                "groups": [len(opt.param_groups) for opt in self.inner]}
+                "shapes": [[[tuple(p.shape) for p in g["params"]] for g in opt.param_groups] for opt in self.inner]}
 
     def state_dict(self) -> dict:
         """torch's format, over every inner optimizer: ``state`` keyed by one running param index
@@ -174,10 +174,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         mine = self._fingerprint()
         theirs = state_dict.get("aligndp")
         if theirs != mine:
+            def describe(fp):
+                if not fp:
+                    return "a plain torch optimizer"
+                return f"rank {fp['rank']} of dp size {fp['dp_size']}, {sum(len(o) for o in fp['shapes'])} group(s)"
             raise ValueError(
-                f"this optimizer state dict was saved by {theirs or 'a plain torch optimizer'} but this optimizer is "
-                f"{mine}: opt.state_dict() is rank-local; load it on the same rank with the same dp size and "
-                "param groups, or use aligndp.save()/aligndp.load(), which reshard"
+                f"this optimizer state dict was saved by {describe(theirs)} with another layout of the optimizer's "
+                f"tensors than this optimizer's ({describe(mine)}): opt.state_dict() is rank-local; load it on the "
+                "same rank with the same dp size, bucket size and param groups, or use aligndp.save()/aligndp.load(), "
+                "which reshard"
             )
         offset = 0
         groups = list(state_dict["param_groups"])

@@ -42,6 +42,11 @@ class OptimizerPart(Protocol):
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         """Clip the bound gradients by the global norm (``torch.nn.utils.clip_grads_with_norm_``)."""
 
+    def on_reduced(self) -> None:
+        """After a reduction: give what the inner optimizer steps the ``.grad`` users may see
+        (a :class:`~aligndp.grads.ShardedGrad` where it has no full value, so a torch
+        ``GradScaler`` refuses clearly)."""
+
     def step_owned(self) -> None:
         """Step what this rank owns; values land in ``param_data`` (gathered by the composite)."""
 
@@ -73,6 +78,9 @@ class ReplicatedPart:
 
     def prepare_grads(self) -> None:
         pass
+
+    def on_reduced(self) -> None:
+        pass  # the params themselves: the DataParallel published their grads
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
@@ -160,6 +168,7 @@ class CompositeOptimizer(DataParallelOptimizer):
                                    overlap=overlap_param_gather)
         if gathered:
             model.attach_param_gather(self.gather)
+        model.reduction_listeners.append(lambda: [part.on_reduced() for part in self.parts])
         for part in self.parts:
             if hasattr(part, "on_bucket_stepped"):  # layer-wise Muon: gather each bucket once it is stepped
                 part.on_bucket_stepped = self.gather.launch_stepped

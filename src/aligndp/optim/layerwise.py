@@ -27,6 +27,7 @@ import torch.nn as nn
 from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel, DDPConfig
+from aligndp.grads import ShardedGrad
 from aligndp.layout import Mode, Requirement
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
@@ -76,6 +77,7 @@ class LayerwiseMuon:
                 [seq[i] for i in perm] for seq in (self.names, self.params, self.owners, self.targets))
         self._versions = {i: self.params[i]._version for i in self.owned if self.targets[i] is not self.params[i]}
         self._visible: dict[int, torch.Tensor | None] | None = None
+        self._prepared_at: int | None = None
         index = {id(p): i for i, p in enumerate(self.params)}
         self._buckets = [  # (buffer, bucket, indices of its Muon matrices), in gather order
             (buf, b, [index[id(p)] for p, s in zip(buf.params, buf.slots) if s.bucket == b and id(p) in index])
@@ -89,15 +91,23 @@ class LayerwiseMuon:
         """Indices (into ``names``/``params``) of the matrices this rank steps."""
         return [i for i, o in enumerate(self.owners) if o == self.model.rank]
 
+    def on_reduced(self) -> None:
+        for i in self.owned:
+            if self.targets[i] is not self.params[i]:  # a 16-bit matrix's fp32 master
+                self.targets[i].grad = ShardedGrad(self.targets[i]) if self.model.has_grad(self.params[i]) else None
+
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """1. assign: owned matrices with a gradient (on some rank) get their reduced ``main_grad``
         (cast to the master's dtype); fp32 masters of 16-bit matrices the user wrote since our
         last step (version counter) take the new values first."""
-        if self._visible is None:  # params stepped in place show a ShardedGrad: hide it from Muon
-            self._visible = {i: p.grad for i, (p, t) in enumerate(zip(self.params, self.targets)) if p is t}
-            for i in self._visible:
-                self.params[i].grad = None
+        if self._prepared_at == self.model.reductions:
+            return
+        self._prepared_at = self.model.reductions
+        # params stepped in place show a ShardedGrad after each reduction: hide it from Muon
+        self._visible = {i: p.grad for i, (p, t) in enumerate(zip(self.params, self.targets)) if p is t}
+        for i in self._visible:
+            self.params[i].grad = None
         for i in self.owned:
             if i in self._versions and self.params[i]._version != self._versions[i]:
                 self.targets[i].copy_(self.params[i])
@@ -139,6 +149,7 @@ class LayerwiseMuon:
         for i, grad in (self._visible or {}).items():
             self.params[i].grad = grad  # as the DataParallel published it ([Note: step states])
         self._visible = None
+        self._prepared_at = None
 
     def momentum(self, name: str) -> torch.Tensor | None:
         """The momentum buffer of matrix ``name`` on this rank (None if not owned or not stepped yet)."""

@@ -24,6 +24,7 @@ import torch
 from aligndp.buffer import FlatBuffer
 from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel
+from aligndp.grads import ShardedGrad
 from aligndp.layout import BufferLayout, Mode
 from aligndp.optim.base import is_elementwise
 from aligndp.optim.composite import CompositeOptimizer
@@ -165,6 +166,10 @@ class ShardedPart:
         return pieces
 
     # ---- the part interface (aligndp/optim/composite.py) ----
+    def on_reduced(self) -> None:
+        for p in self.pieces:
+            p.master.grad = ShardedGrad(p.master) if self.model.has_grad(p.param) else None
+
     @torch.no_grad()
     def _refresh_masters(self) -> None:
         """16-bit params written by the user since our last step (``load_state_dict``,
