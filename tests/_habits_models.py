@@ -1,0 +1,219 @@
+"""Tiny models and the torch DDP reference for tests/test_torch_habits.py (issue 11).
+
+Each habit test trains aligndp and torch DDP (same seed, same data split, same torch
+optimizers) side by side. :class:`TorchDDP` builds the reference for one of :data:`MODES`:
+AdamW over every param, or — for ``optimizer="muon"`` — torch's Muon on the routed matrices
+and AdamW on the rest, cut into the same param groups in the same order as aligndp's
+``opt.param_groups`` (Muon part first). Muon runs its Newton–Schulz in fp32 on both sides
+(:func:`newton_schulz_fp32`): torch's bf16 iteration turns last-bit differences of the
+reduction order into ~1e-4 relative differences (tests/test_muon.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aligndp
+from aligndp.routing import route_params
+from tests.test_ddp import VOCAB, Net, batch, loss_of, make_net  # noqa: F401  (re-exported)
+from tests.test_muon import fp32_newton_schulz
+
+LR = 1e-2
+BUCKET_NUMEL = 150
+"""Several buckets for the 11/37-wide nets (each param but the head shares its bucket)."""
+REL = 1e-6
+"""The issue's bar: fp32, 3-5 steps, relative to torch DDP."""
+
+MODES: dict[str, dict] = {
+    "none": {"sharding": "none"},
+    "zero1": {"sharding": "zero1"},
+    "muon none": {"optimizer": "muon", "sharding": "none"},
+    "muon zero1": {"optimizer": "muon", "sharding": "zero1"},
+}
+
+
+def newton_schulz_fp32(mode: str) -> contextlib.AbstractContextManager:
+    """fp32 Newton–Schulz on both sides for Muon modes; nothing otherwise."""
+    return fp32_newton_schulz() if mode.startswith("muon") else contextlib.nullcontext()
+
+
+def wrap(net: nn.Module, mode: str, **kwargs):
+    """``aligndp.parallelize`` of ``net`` in ``mode`` with the shared test settings."""
+    kwargs.setdefault("lr", LR)
+    kwargs.setdefault("bucket_numel", BUCKET_NUMEL)
+    return aligndp.parallelize(net, **MODES[mode], **kwargs)
+
+
+class TorchDDP:
+    """torch DDP over ``net`` with the torch optimizers aligndp builds for ``mode``.
+
+    ``groups``: ``[(names, options), ...]`` as given to aligndp's ``param_groups`` (None: one).
+    """
+
+    def __init__(self, net: nn.Module, mode: str, *, find_unused: bool = False,
+                 groups: Sequence[tuple[Sequence[str], dict]] | None = None, lr: float = LR,
+                 optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, **ddp_kwargs) -> None:
+        self.model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=find_unused, **ddp_kwargs)
+        named = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        if groups is None:
+            groups = [(list(named), {})]
+        if mode.startswith("muon"):
+            routing = route_params(net)
+            parts = [(torch.optim.Muon, set(routing.muon)), (torch.optim.AdamW, set(routing.adamw))]
+        else:
+            parts = [(optimizer, set(named))]
+        self.opts = []
+        for opt_class, names in parts:
+            torch_groups = [{"params": [named[n] for n in g if n in names], **options}
+                            for g, options in groups if any(n in names for n in g)]
+            if torch_groups:
+                self.opts.append(opt_class(torch_groups, lr=lr))
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.opts for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.opts:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().float(), expected.detach().float()
+    scale = expected.norm()
+    if scale == 0:
+        return float(actual.norm())
+    return float((actual - expected).norm() / scale)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = REL) -> None:
+    err = rel_error(actual, expected)
+    assert err <= rel, f"{what}: relative error {err:.2e} > {rel:.0e}"
+
+
+def assert_params_match(ours: nn.Module, theirs: nn.Module, what: str, rel: float = REL) -> None:
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert_close(p, q, f"{what} {n}", rel)
+
+
+def assert_replicas_identical(module: nn.Module, what: str) -> None:
+    """Every rank's params equal rank 0's bit for bit (checked on every rank: no rank left behind)."""
+    flat = torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    differ = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    assert not differ, f"{what}: ranks {differ} hold other params than rank 0"
+
+
+def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def micro_batches(step: int, rank: int, ws: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """This rank's slice of ``step``'s global batch in ``count`` (1-3) micro-batches along tokens:
+    ``(idx, tgt, token share)``, so the weighted losses sum to the whole slice's loss."""
+    idx, tgt = batch(step, rank, ws)
+    cuts = {1: [0, 5], 2: [0, 2, 5], 3: [0, 2, 4, 5]}[count]
+    return [(idx[:, a:b], tgt[:, a:b], (b - a) / 5) for a, b in zip(cuts, cuts[1:])]
+
+
+def backward_on(model: nn.Module, step: int, rank: int, ws: int, *, skip_mix: bool = False) -> torch.Tensor:
+    idx, tgt = batch(step, rank, ws)
+    loss = F.cross_entropy(model(idx, skip_mix=skip_mix).reshape(-1, VOCAB), tgt.reshape(-1))
+    loss.backward()
+    return loss
+
+
+def train_step_both(model, opt, ref: TorchDDP, step: int, rank: int, ws: int, what: str, *,
+                    skip_mix: bool = False, set_to_none: bool = True) -> None:
+    """One step of ``step``'s data on aligndp and on torch DDP (backward, step, zero_grad), then
+    the params compared."""
+    backward_on(model, step, rank, ws, skip_mix=skip_mix)
+    backward_on(ref.model, step, rank, ws, skip_mix=skip_mix)
+    step_both(model, opt, ref, what, set_to_none=set_to_none)
+
+
+def step_both(model, opt, ref: TorchDDP, what: str, *, set_to_none: bool = True) -> None:
+    """``step()`` and ``zero_grad()`` on aligndp and on torch DDP, then the params compared."""
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    ref.step()
+    ref.zero_grad(set_to_none=set_to_none)
+    assert_params_match(model.module, ref.module, what)
+
+
+@contextlib.contextmanager
+def shared_path(name: str) -> Iterator[str]:
+    """A fresh directory path the same on every rank (rank 0's temp dir), removed afterwards."""
+    import shutil
+    import tempfile
+
+    obj = [tempfile.mkdtemp(prefix="aligndp_habits_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj)
+    try:
+        yield f"{obj[0]}/{name}"
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(obj[0], ignore_errors=True)
+
+
+# ---- models ----
+
+class BatchNormNet(nn.Module):
+    """Embedding -> Linear -> BatchNorm1d -> Linear: running statistics differ per rank's data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 11)
+        self.fc1 = nn.Linear(11, 37, bias=False)  # a bias before BatchNorm gets only rounding noise
+        self.norm = nn.BatchNorm1d(37)
+        self.head = nn.Linear(37, VOCAB)
+
+    def forward(self, idx: torch.Tensor, skip_mix: bool = False) -> torch.Tensor:
+        x = self.fc1(self.emb(idx))  # (batch, tokens, 37)
+        x = self.norm(x.reshape(-1, 37)).reshape(x.shape)
+        return self.head(torch.tanh(x))
+
+
+class HeadReadNet(Net):
+    """Net whose forward reads the head's weight with ``F.linear`` instead of calling ``self.head``
+    (fused-loss kernels and tied heads do the same)."""
+
+    def forward(self, idx: torch.Tensor, skip_mix: bool = False) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.fc2(torch.tanh(self.fc1(x)))
+        x = self.mix(torch.tanh(self.mix(x)))
+        return F.linear(x, self.head.weight)
+
+
+def seeded(factory: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return factory()
+
+
+class NormalisedSGD(torch.optim.Optimizer):
+    """Test-only, not elementwise: each tensor moves by ``lr * grad / ||grad||`` (a per-tensor norm)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
