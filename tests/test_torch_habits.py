@@ -888,9 +888,3 @@ def case_join_uneven_inputs_raise_on_every_rank_within_seconds(rank, ws):
 
 
 make_tests(globals())
-
-# An open src bug, pinned as a strict xfail until it is fixed (then drop this line): the bf16
-# params' fp32 masters follow the params' version counters, which writes through p.data skip.
-pytest.mark.xfail(strict=True, reason="zero1/muon zero1 masters miss weights written through p.data (version "
-                  "counter not bumped); the next step restores the old weights")(
-    test_case_weights_copied_into_p_data_reach_the_bf16_masters)  # noqa: F821  made by make_tests

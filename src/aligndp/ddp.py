@@ -80,6 +80,47 @@ class _WrappedParameter(nn.Parameter):
         """Ignored: the owning DataParallel's view is authoritative (a new wrap's FlatBuffer
         binds its views before it takes the params over from the old wrapper)."""
 
+    @property
+    def data(self) -> torch.Tensor:
+        """``param.data``, noted: a write through it bypasses torch's version counter, so the
+        owner compares this param with its fp32 master before the next step."""
+        owner = _owner_of(self)
+        if owner is not None:
+            owner.data_touched.add(self)
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = t`` after wrapping copies ``t`` into the param's storage, which the
+        buffers own (a new storage would cut the param off from them)."""
+        if _BINDING:
+            _TENSOR_DATA.__set__(self, value)
+            return
+        current = _TENSOR_DATA.__get__(self)
+        if value.shape != current.shape or value.dtype != current.dtype or value.device != current.device:
+            raise ValueError(
+                f"param.data = a {tuple(value.shape)} {value.dtype} tensor on {value.device} after wrapping: the "
+                f"param is {tuple(current.shape)} {current.dtype} on {current.device} inside aligndp's flat "
+                "buffers; move or cast the module before aligndp.parallelize, or copy values in with p.copy_()"
+            )
+        current.copy_(value)
+        self.data  # noqa: B018 -- marks the write for the owner
+
+
+_TENSOR_DATA = torch.Tensor.data
+_BINDING = False
+"""True while a DataParallel binds params into its buffers (``p.data = view`` goes through)."""
+
+
+@contextlib.contextmanager
+def _binding() -> Iterator[None]:
+    global _BINDING
+    _BINDING = True
+    try:
+        yield
+    finally:
+        _BINDING = False
+
 
 @dataclasses.dataclass(frozen=True)
 class DDPConfig:
@@ -179,11 +220,12 @@ class DataParallel(GradSync, nn.Module):
         if config.broadcast_at_wrap and self.dp_size > 1:
             self._broadcast_from_rank0()
         by_name = dict(named)
-        self.flat_buffers: list[FlatBuffer] = [
-            FlatBuffer(layout, [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
-                       with_param_data=layout.mode is not Mode.REPLICATED)
-            for layout in layouts
-        ]
+        with _binding():
+            self.flat_buffers: list[FlatBuffer] = [
+                FlatBuffer(layout, [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
+                           with_param_data=layout.mode is not Mode.REPLICATED)
+                for layout in layouts
+            ]
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]
         """Trainable params in registration order (the order of the agreement flags)."""
@@ -202,6 +244,8 @@ class DataParallel(GradSync, nn.Module):
         ]
 
         self._init_grad_sync()
+        self.data_touched: set[nn.Parameter] = set()
+        """Params whose ``.data`` was used since the optimizer's last step (see _WrappedParameter)."""
         self._param_gather = None
         self._joined: _Join | None = None
         self._replaced = False

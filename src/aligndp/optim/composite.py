@@ -216,6 +216,7 @@ class CompositeOptimizer(DataParallelOptimizer):
             self._prepare()
         for part in self.parts:
             part.step_owned()
+        self.model.data_touched.clear()
         self.gather.launch_rest()
         return None
 

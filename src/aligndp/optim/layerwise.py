@@ -31,7 +31,7 @@ from aligndp.grads import ShardedGrad
 from aligndp.layout import Mode, Requirement
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
-from aligndp.optim.sharded import ShardedPart
+from aligndp.optim.sharded import ShardedPart, refresh_master
 from aligndp.routing import MuonFilter, route_params
 
 __all__ = ["LayerwiseMuon", "MUON_OPTIONS", "split_muon_kwargs", "parallelize_muon"]
@@ -109,8 +109,9 @@ class LayerwiseMuon:
         for i in self._visible:
             self.params[i].grad = None
         for i in self.owned:
-            if i in self._versions and self.params[i]._version != self._versions[i]:
-                self.targets[i].copy_(self.params[i])
+            p = self.params[i]
+            if i in self._versions and (p._version != self._versions[i] or p in self.model.data_touched):
+                refresh_master(self.targets[i], p.detach())
                 self._versions[i] = self.params[i]._version
             p = self.params[i]
             self.targets[i].grad = self.model.reduced_grad(p).to(self.targets[i].dtype) if self.model.has_grad(p) \

@@ -99,6 +99,11 @@ class _Piece:
     group: int
 
 
+def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """``master`` (fp32) takes ``param``'s (16-bit) value wherever the two disagree."""
+    master.copy_(torch.where(param == master.to(param.dtype), master, param.float()))
+
+
 class ShardedPart:
     """ZeRO-1 over ``buffers`` (sharded :class:`FlatBuffer` s of ``model``): a part of a
     :class:`~aligndp.optim.composite.CompositeOptimizer`.
@@ -173,11 +178,13 @@ class ShardedPart:
     @torch.no_grad()
     def _refresh_masters(self) -> None:
         """16-bit params written by the user since our last step (``load_state_dict``,
-        ``aligndp.load`` without an optimizer, ``p.copy_``) bump their version counter; their
-        fp32 masters take the new values, so the step does not write old weights back."""
+        ``aligndp.load`` without an optimizer, ``p.copy_`` bump torch's version counter; a
+        ``p.data`` access is noted by the DataParallel) give their fp32 masters the new values
+        (elements still equal to the master's cast keep the master), so the step does not
+        write old weights back."""
         for p in self.pieces:
-            if p.cast_back and p.param._version != self._versions[id(p.param)]:
-                p.master.copy_(p.buffer.param_data[p.segment.start:p.segment.end])
+            if p.cast_back and (p.param._version != self._versions[id(p.param)] or p.param in self.model.data_touched):
+                refresh_master(p.master, p.buffer.param_data[p.segment.start:p.segment.end])
                 self._versions[id(p.param)] = p.param._version
 
     @torch.no_grad()
