@@ -73,9 +73,19 @@ def build(sharding: str, bucket_numel: int | None, dtype=torch.float32, **kwargs
 
 @case(4)
 def case_save_at_four_ranks(rank, ws):
+    """Writes what the dp-2 cases resume from; loaded back here at dp 4 with another bucket
+    size, training continues exactly as the model that wrote it."""
     model, opt = build("zero1", bucket_numel=200)
     train(model, opt, range(SAVED_AT))
     aligndp.save(ckpt("zero1-dp4"), model, opt, step=SAVED_AT)
+    again, again_opt = build("zero1", bucket_numel=350)
+    assert aligndp.load(ckpt("zero1-dp4"), again, again_opt) == SAVED_AT
+    for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):
+        assert torch.equal(p.detach(), q.detach()), f"{n}: loaded values differ from the saved ones"
+    train(model, opt, range(SAVED_AT, SAVED_AT + 1))
+    train(again, again_opt, range(SAVED_AT, SAVED_AT + 1))
+    for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n} after a step: {m}")
 
 
 @case(2, after=(4,))

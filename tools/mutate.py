@@ -62,6 +62,7 @@ def B(name: str, file: str, original: str, replacement: str, tests: str | tuple[
 
 
 DDP_T = "tests/test_ddp.py"
+HAB_T = "tests/test_torch_habits.py"
 # One row per break: (name, file under src/aligndp, original snippet, replacement, tests, area).
 # Files being rewritten (ddp.py, grad_sync.py, optim/*, parallelize.py, param_gather.py, checkpoint.py, train*.py)
 # need their snippets refreshed whenever that code changes: --check-snippets lists the stale ones.
@@ -230,6 +231,43 @@ BREAKS: list[Break] = [
     B("user_error_exit_1", "cli.py",
       "        return 2", "        return 1",
       "tests/test_cli_layout.py", "CLI exit codes"),
+    # ---- the step model of issue 11 (grad_sync.py, ddp.py, optim/*): torch DDP habits ----
+    B("unused_params_stepped", "grad_sync.py",
+      "used = [p for p, v in zip(self.params, values[:n]) if v]", "used = list(self.params)",
+      HAB_T + "::test_case_param_unused_on_every_rank_is_not_stepped", "step states"),
+    B("usage_not_agreed", "grad_sync.py",
+      "            dist.all_reduce(local, group=self.process_group)\n", "            pass\n",
+      HAB_T + "::test_case_param_usage_changing_between_steps_matches_torch_ddp", "step states"),
+    B("reopen_forgets_dp_size", "grad_sync.py",
+      "flat[lo:hi].mul_(self.dp_size)", "flat[lo:hi].mul_(1)",
+      HAB_T + "::test_case_backward_after_step_without_zero_grad_adds_to_old_grads", "step states"),
+    B("published_grad_is_a_copy", "grad_sync.py",
+      "p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)", "p.grad = slot.view.clone()",
+      HAB_T + "::test_case_clip_grad_norm_on_model_parameters_matches_torch_ddp", "step states"),
+    B("sharded_grad_not_published", "grad_sync.py",
+      "                p.grad = slot.sharded_grad\n", "                p.grad = None\n",
+      HAB_T + "::test_case_sharded_grads_refuse_torch_ops_and_opt_clip_grad_norm_matches", "step states"),
+    B("main_grad_property_keeps_stale", "grad_sync.py",
+      "        self._take(param)\n        if self.state is StepState.IDLE:",
+      "        if self.state is StepState.IDLE:",
+      HAB_T + "::test_case_main_grad_written_after_zero_grad_is_reduced", "lazy zeroing"),
+    B("nonfinite_skip_steps_anyway", "optim/composite.py",
+      "                self.skipped_steps += 1\n                return None\n",
+      "                self.skipped_steps += 1\n",
+      HAB_T + "::test_case_nonfinite_on_one_rank_skips_the_step_on_every_rank", "check_finite"),
+    B("buffers_not_broadcast_in_forward", "ddp.py",
+      "            self._broadcast_buffers()", "            pass",
+      HAB_T + "::test_case_batchnorm_buffers_broadcast_like_torch_ddp", "buffers"),
+    B("masters_not_refreshed", "optim/sharded.py",
+      "                refresh_master(p.master, p.buffer.param_data[p.segment.start:p.segment.end])",
+      "                pass",
+      HAB_T + "::test_case_weights_loaded_after_wrapping_reach_the_bf16_masters", "ZeRO-1"),
+    B("old_wrapper_keeps_hooks", "ddp.py",
+      "                old.remove_hooks()\n", "                pass\n",
+      HAB_T + "::test_case_wrapping_again_moves_the_gradients_to_the_new_wrapper", "wrap"),
+    B("join_never_checks", "ddp.py",
+      "        if training < self.model.dp_size:", "        if False:",
+      HAB_T + "::test_case_join_uneven_inputs_raise_on_every_rank_within_seconds", "uneven inputs"),
 ]
 
 

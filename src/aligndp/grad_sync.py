@@ -121,10 +121,11 @@ class GradSync:
             return
         self._queue_end_of_backward()
         view = self._slot[param].view
-        if param in self._published:  # accumulated by autograd on top of the visible grad
+        if param in self._published:  # autograd accumulated onto the visible grad (no forward through us)
             self._published.discard(param)
             if not same_storage(grad, view):
                 view.copy_(grad.view_as(view))
+            self._reopen()  # the other visible grads
         else:
             self._reopen()
             if param in self._stale:
@@ -133,7 +134,6 @@ class GradSync:
             else:
                 view.add_(grad.view_as(view))
         param.grad = None
-        self._reopen()
         self._arrived(param)
 
     def _arrived(self, param: nn.Parameter) -> None:
@@ -203,7 +203,7 @@ class GradSync:
         assert ref == self.bucket_refs[self._next_launch], "buckets launch in index order"
         buf = self.flat_buffers[ref.buffer]
         for p in self._bucket_params[ref]:
-            if p not in self._stale:
+            if p not in self._stale and p not in self._eager_zero:
                 self._used.add(p)  # written since zero_grad: by autograd, a fused kernel or the user
             self._take(p)
         if self.config.check_finite:
