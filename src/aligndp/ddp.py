@@ -45,7 +45,7 @@ from aligndp.buffer import FlatBuffer
 from aligndp.fused import fused_wgrad_modules
 from aligndp.grad_sync import BucketRef, GradSync, StepState, _Slot
 from aligndp.grads import ShardedGrad
-from aligndp.layout import DEFAULT_START_ALIGNMENT, BufferLayout, Mode, ParamSpec, Requirement, plan_buffers
+from aligndp.layout import DEFAULT_BUCKET_NUMEL, DEFAULT_START_ALIGNMENT, BufferLayout, Mode, ParamSpec, Requirement, plan_buffers
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
 
@@ -126,7 +126,7 @@ def _binding() -> Iterator[None]:
 class DDPConfig:
     """Settings of the data-parallel wrapper."""
 
-    bucket_numel: int | None = 40_000_000
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
     """Target elements per bucket (one collective each); None puts each buffer in one bucket."""
     overlap: bool = True
     """Launch each bucket's collective during backward as soon as it is ready; False waits

@@ -23,6 +23,7 @@ from aligndp.assign import assign_owners, group_layerwise_buckets, newton_schulz
 
 __all__ = [
     "DEFAULT_START_ALIGNMENT",
+    "DEFAULT_BUCKET_NUMEL",
     "DEFAULT_SHARD_ALIGNMENT",
     "Mode",
     "ParamSpec",
@@ -39,6 +40,10 @@ __all__ = [
 DEFAULT_START_ALIGNMENT = 64
 """Elements. 128 B for 16-bit views: what cuBLASLt's MXFP8 wgrad needs; ≤ 63 elements of
 padding per param."""
+
+DEFAULT_BUCKET_NUMEL = 40_000_000
+"""Elements per bucket when the caller names none: ``DDPConfig``, ``parallelize()`` and
+``aligndp layout`` share it, so the picture shows the buckets the run builds."""
 
 DEFAULT_SHARD_ALIGNMENT = 128
 """Elements. In sharded modes bucket ends are padded so each shard is a multiple of this."""

@@ -21,6 +21,7 @@ import os
 import torch
 
 from aligndp.layout import (
+    DEFAULT_BUCKET_NUMEL,
     DEFAULT_START_ALIGNMENT,
     BufferLayout,
     Mode,
@@ -49,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "param in --mode)")
     parser.add_argument("--wgrad", choices=WGRAD_RECIPES, default="none",
                         help="fused wgrad recipe whose alignment requirement the layout must meet (default none)")
-    parser.add_argument("--bucket-numel", type=int, default=None,
-                        help="elements per bucket (default: one bucket per buffer)")
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
+                        help=f"elements per bucket (default {DEFAULT_BUCKET_NUMEL:,}, as parallelize() builds)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="param dtype (default fp32)")
     parser.add_argument("--grad-dtype", choices=sorted(DTYPES), default=None, help="grad dtype (default: param dtype)")
     parser.add_argument("--start-alignment", type=int, default=DEFAULT_START_ALIGNMENT,
@@ -88,7 +89,8 @@ class LayoutOptions:
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
         if self.bucket_numel is not None and self.bucket_numel <= 0:
-            raise ValueError(f"--bucket-numel must be > 0, got {self.bucket_numel}; leave it out for one bucket")
+            raise ValueError(f"--bucket-numel must be > 0, got {self.bucket_numel}; leave it out for "
+                             f"parallelize()'s default of {DEFAULT_BUCKET_NUMEL:,} elements")
 
     def modes(self) -> dict[str, Mode]:
         """Per-param modes as parallelize() assigns them (empty: every param in ``mode``)."""
