@@ -165,7 +165,7 @@ BREAKS: list[Break] = [
       "self._pending[key] = None",
       "tests/test_zero1.py", "param gathers"),
     # ---- checkpoints ----
-    B("checkpoint_state_piece_at_offset_0", "checkpoint.py",
+    B("checkpoint_state_piece_at_offset_0", "model_space.py",
       "FlatPiece(value.detach().reshape(-1), offset=offset, numel=numel)",
       "FlatPiece(value.detach().reshape(-1), offset=0, numel=numel)",
       "tests/test_checkpoint.py", "checkpoints"),

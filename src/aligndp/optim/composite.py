@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from aligndp.buffer import FlatBuffer
-from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
+from aligndp.model_space import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel
 from aligndp.layout import Mode
 from aligndp.optim.base import DataParallelOptimizer, global_grad_norm

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from aligndp.buffer import FlatBuffer
-from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
+from aligndp.model_space import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.grads import ShardedGrad
 from aligndp.layout import Mode, Requirement

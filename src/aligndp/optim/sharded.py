@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from aligndp.buffer import FlatBuffer
-from aligndp.checkpoint import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
+from aligndp.model_space import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
 from aligndp.ddp import DataParallel
 from aligndp.grads import ShardedGrad
 from aligndp.layout import BufferLayout, Mode
