@@ -288,7 +288,7 @@ class DataParallel(GradSync, nn.Module):
 
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:
-        """Rank 0's module buffers to every rank, one broadcast per dtype."""
+        """Rank 0's module buffers to every rank, one broadcast per dtype (none without buffers)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in self.module.buffers():
             by_dtype.setdefault(b.dtype, []).append(b)
@@ -318,7 +318,7 @@ class DataParallel(GradSync, nn.Module):
             raise RuntimeError("this DataParallel was replaced by a newer wrap of the same module; use the new one")
         if self._joined is not None:
             self._joined.forward()
-        if self.config.broadcast_buffers and self.dp_size > 1 and any(True for _ in self.module.buffers()):
+        if self.config.broadcast_buffers and self.dp_size > 1:
             self._broadcast_buffers()
         if torch.is_grad_enabled():
             self._reopen()  # before autograd accumulates into a ShardedGrad
@@ -351,11 +351,10 @@ class DataParallel(GradSync, nn.Module):
 
 
 class _Join:
-    """The bookkeeping of :meth:`DataParallel.join`: forwards counted, one flag all-reduce each."""
+    """The bookkeeping of :meth:`DataParallel.join`: one flag all-reduce per forward."""
 
     def __init__(self, model: DataParallel) -> None:
         self.model = model
-        self.forwards = 0
 
     def _still_training(self, flag: int) -> int:
         t = torch.tensor([flag], dtype=torch.int32, device=self.model.device)
@@ -369,7 +368,6 @@ class _Join:
                 "or drop the last incomplete batch)")
 
     def forward(self) -> None:
-        self.forwards += 1
         training = self._still_training(1)
         if training < self.model.dp_size:
             raise ValueError(self._message(training))

@@ -168,10 +168,14 @@ class CompositeOptimizer(DataParallelOptimizer):
                                    overlap=overlap_param_gather)
         if gathered:
             model.attach_param_gather(self.gather)
-        model.reduction_listeners.append(lambda: [part.on_reduced() for part in self.parts])
+        model.reduction_listeners.append(self._on_reduced)
         for part in self.parts:
             if hasattr(part, "on_bucket_stepped"):  # layer-wise Muon: gather each bucket once it is stepped
                 part.on_bucket_stepped = self.gather.launch_stepped
+
+    def _on_reduced(self) -> None:
+        for part in self.parts:
+            part.on_reduced()
 
     def _prepare(self) -> None:
         """Reduce what is pending and bind every part's gradients (idempotent)."""

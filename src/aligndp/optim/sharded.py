@@ -97,6 +97,11 @@ class _Piece:
     cast_back: bool
     """True when the master is a separate fp32 copy (16-bit params), False when it is the param_data view."""
     group: int
+    sharded_grad: ShardedGrad = dataclasses.field(init=False)
+    """The master's ``.grad`` between a reduction and the step (made once: it is immutable)."""
+
+    def __post_init__(self) -> None:
+        self.sharded_grad = ShardedGrad(self.master)
 
 
 def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
@@ -173,7 +178,7 @@ class ShardedPart:
     # ---- the part interface (aligndp/optim/composite.py) ----
     def on_reduced(self) -> None:
         for p in self.pieces:
-            p.master.grad = ShardedGrad(p.master) if self.model.has_grad(p.param) else None
+            p.master.grad = p.sharded_grad if self.model.has_grad(p.param) else None
 
     @torch.no_grad()
     def _refresh_masters(self) -> None:
