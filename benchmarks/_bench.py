@@ -3,6 +3,7 @@
 Benchmarks run as scripts (``torchrun ... benchmarks/NAME.py``), so ``benchmarks/`` is
 ``sys.path[0]`` and they import this module as ``_bench``.
 """
+
 from __future__ import annotations
 
 import argparse

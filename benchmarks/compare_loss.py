@@ -6,6 +6,7 @@ and largest per-step relative difference of the train loss, the mean train loss 
 Usage: ``python benchmarks/compare_loss.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl
 --labels bf16 mxfp8 [--plot out.png]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl files; the first is the baseline")
     parser.add_argument("--labels", nargs="+", default=None)
-    parser.add_argument("--tail", type=int, default=50, help="steps averaged for the final train loss")
+    parser.add_argument(
+        "--tail", type=int, default=50, help="steps averaged for the final train loss"
+    )
     parser.add_argument("--plot", default="", help="write a PNG of the curves here")
     args = parser.parse_args()
     labels = args.labels or args.metrics
@@ -35,11 +38,13 @@ def main() -> None:
         losses = {r["step"]: r["loss"] for r in run}
         common = sorted(set(base) & set(losses))
         diffs = [abs(losses[s] - base[s]) / base[s] for s in common]
-        tail = [losses[s] for s in common[-args.tail:]]
+        tail = [losses[s] for s in common[-args.tail :]]
         evals = ", ".join(f"{r['step'] + 1}: {r['eval_loss']:.4f}" for r in run if "eval_loss" in r)
-        lines.append(f"{label}: {len(common)} steps, train loss mean of last {len(tail)} {statistics.mean(tail):.4f}; "
-                     f"|rel diff| to {labels[0]}: mean {statistics.mean(diffs):.2%}, max {max(diffs):.2%}; "
-                     f"eval {evals}")
+        lines.append(
+            f"{label}: {len(common)} steps, train loss mean of last {len(tail)} {statistics.mean(tail):.4f}; "
+            f"|rel diff| to {labels[0]}: mean {statistics.mean(diffs):.2%}, max {max(diffs):.2%}; "
+            f"eval {evals}"
+        )
     print("\n".join(lines))
     if args.plot:
         import matplotlib
@@ -49,7 +54,9 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, run in zip(labels, runs, strict=True):
-            ax.plot([r["step"] + 1 for r in run], [r["loss"] for r in run], label=label, linewidth=1)
+            ax.plot(
+                [r["step"] + 1 for r in run], [r["loss"] for r in run], label=label, linewidth=1
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("train loss")
         ax.set_yscale("log")

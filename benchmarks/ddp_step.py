@@ -11,6 +11,7 @@ gradient collective finished (torch DDP finishes inside backward; aligndp in
 slowest rank's median fwd+bwd: ranks meet in every collective, so no data-parallel step can
 beat it, and rank 0's own figure would count a slower peer GPU as communication overhead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ from _bench import (
     log,
 )
 
-from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.models.gpt import PRESETS
+from aligndp.runtime.ddp import DataParallel, DDPConfig
 
 
 def fwdbwd(model: nn.Module, idx: torch.Tensor) -> None:
@@ -44,9 +45,13 @@ def local_fwdbwd(model: nn.Module, idx: torch.Tensor, timing: Timing) -> list[fl
     return every_rank(timing(lambda: fwdbwd(model, idx)), timing.device)
 
 
-def torch_ddp_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, bucket_cap_mb: float) -> float:
+def torch_ddp_step(
+    model: nn.Module, idx: torch.Tensor, timing: Timing, *, bucket_cap_mb: float
+) -> float:
     """Seconds per torch DDP fwd+bwd (its all-reduces finish inside backward)."""
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True
+    )
     return timing(lambda: fwdbwd(ddp, idx))
 
 
@@ -60,12 +65,23 @@ class AligndpStep:
     padding_fraction: float
 
 
-def aligndp_ddp_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, bucket_numel: int,
-                     overlap: bool = True, process_group: dist.ProcessGroup | None = None,
-                     no_comm: bool = False) -> AligndpStep:
+def aligndp_ddp_step(
+    model: nn.Module,
+    idx: torch.Tensor,
+    timing: Timing,
+    *,
+    bucket_numel: int,
+    overlap: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    no_comm: bool = False,
+) -> AligndpStep:
     """Seconds per aligndp step: zero_grad_buffer + fwd+bwd + finish_grad_sync. ``model`` is
     wrapped here and unwrapped (hooks removed) before returning."""
-    ours = DataParallel(model, process_group=process_group, config=DDPConfig(bucket_numel=bucket_numel, overlap=overlap))
+    ours = DataParallel(
+        model,
+        process_group=process_group,
+        config=DDPConfig(bucket_numel=bucket_numel, overlap=overlap),
+    )
     if no_comm:
         ours.dp_size = 1  # benchmark-only: skip the collectives, keep hooks and copies
 
@@ -86,27 +102,54 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_common_arguments(ap)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
-    ap.add_argument("--buckets", default="10000000,40000000,100000000", help="aligndp bucket_numel values to try")
+    ap.add_argument(
+        "--buckets",
+        default="10000000,40000000,100000000",
+        help="aligndp bucket_numel values to try",
+    )
     ap.add_argument("--torch-bucket-mb", default="25,100")
-    ap.add_argument("--max-ctas", default="", help="also try NCCL communicators capped at these CTA counts, e.g. 4,8")
-    ap.add_argument("--high-priority", action="store_true",
-                    help="also try NCCL communicators on a high-priority stream (with each --max-ctas and uncapped)")
-    ap.add_argument("--no-comm", action="store_true", help="also time aligndp with collectives skipped (hook cost)")
+    ap.add_argument(
+        "--max-ctas",
+        default="",
+        help="also try NCCL communicators capped at these CTA counts, e.g. 4,8",
+    )
+    ap.add_argument(
+        "--high-priority",
+        action="store_true",
+        help="also try NCCL communicators on a high-priority stream (with each --max-ctas and uncapped)",
+    )
+    ap.add_argument(
+        "--no-comm",
+        action="store_true",
+        help="also time aligndp with collectives skipped (hook cost)",
+    )
     args = ap.parse_args()
 
     device, dtype = init(args.device)
     cuda = device.type == "cuda"
     timing = Timing(device, args.iters, args.warmup)
     cfg = PRESETS[args.preset]
-    log(what="env", torch=torch.__version__, world_size=dist.get_world_size(), device=device_label(device),
-        preset=args.preset, batch=args.batch, seq_len=cfg.seq_len)
+    log(
+        what="env",
+        torch=torch.__version__,
+        world_size=dist.get_world_size(),
+        device=device_label(device),
+        preset=args.preset,
+        batch=args.batch,
+        seq_len=cfg.seq_len,
+    )
 
     idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
     model = build_gpt(args.preset, device, dtype)
     nparams = sum(p.numel() for p in model.parameters())
     per_rank = local_fwdbwd(model, idx, timing)
     t_local = max(per_rank)
-    log(what="local", params=nparams, fwdbwd_ms=t_local * 1e3, per_rank_ms=[x * 1e3 for x in per_rank])
+    log(
+        what="local",
+        params=nparams,
+        fwdbwd_ms=t_local * 1e3,
+        per_rank_ms=[x * 1e3 for x in per_rank],
+    )
 
     for mb in [float(x) for x in args.torch_bucket_mb.split(",")]:
         t = torch_ddp_step(model, idx, timing, bucket_cap_mb=mb)
@@ -129,11 +172,26 @@ def main() -> None:
     if args.no_comm:
         variants.append((int(args.buckets.split(",")[0]), True, "default", None, True))
     for numel, overlap, name, group, no_comm in variants:
-        r = aligndp_ddp_step(build_gpt(args.preset, device, dtype), idx, timing, bucket_numel=numel,
-                             overlap=overlap, process_group=group, no_comm=no_comm)
-        log(what="aligndp_ddp", bucket_numel=numel, overlap=overlap, group=name, no_comm=no_comm,
-            buckets=len(r.bucket_numels), padding_fraction=r.padding_fraction, step_ms=r.seconds * 1e3,
-            overhead=r.seconds / t_local)
+        r = aligndp_ddp_step(
+            build_gpt(args.preset, device, dtype),
+            idx,
+            timing,
+            bucket_numel=numel,
+            overlap=overlap,
+            process_group=group,
+            no_comm=no_comm,
+        )
+        log(
+            what="aligndp_ddp",
+            bucket_numel=numel,
+            overlap=overlap,
+            group=name,
+            no_comm=no_comm,
+            buckets=len(r.bucket_numels),
+            padding_fraction=r.padding_fraction,
+            step_ms=r.seconds * 1e3,
+            overhead=r.seconds / t_local,
+        )
         if cuda:
             torch.cuda.empty_cache()
     model = build_gpt(args.preset, device, dtype)

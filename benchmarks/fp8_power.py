@@ -10,6 +10,7 @@ float64 on the benchmark's own data; the no-promotion row is a measurement aid
 (``fp8_block_gemm(promote=False)`` adds unscaled partials) checked against the unscaled product.
 Usage: ``python benchmarks/fp8_power.py [--size 8192] [--rounds 5] [--seconds 2] [--out f.md]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ import time
 import torch
 from triton.testing import do_bench
 
-from aligndp.mx import gluon_kernels
-from aligndp.mx.triton_kernels import quantize_rows_and_columns, scaled_gemm
+from aligndp.lowp import gluon_kernels
+from aligndp.lowp.triton_kernels import quantize_rows_and_columns, scaled_gemm
 
 _FIELDS = ("clocks.sm", "power.draw", "power.limit", "clocks_event_reasons.sw_power_cap")
 
@@ -36,8 +37,18 @@ def _smi_target(device: torch.device) -> str:
 
 
 def _smi(target: str, fields=_FIELDS) -> list[str]:
-    out = subprocess.run(["nvidia-smi", "-i", target, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [
+            "nvidia-smi",
+            "-i",
+            target,
+            f"--query-gpu={','.join(fields)}",
+            "--format=csv,noheader,nounits",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode != 0 and fields == _FIELDS:  # older drivers name the reason field differently
         return _smi(target, fields[:-1] + ("clocks_throttle_reasons.sw_power_cap",))
     return [v.strip() for v in out.stdout.strip().split(",")]
@@ -71,9 +82,14 @@ def sustained(fn, flops: float, seconds: float, target: str) -> dict:
     mhz = [float(s[0]) for s in samples if s[0].replace(".", "").isdigit()]
     watts = [float(s[1]) for s in samples if s[1].replace(".", "").isdigit()]
     capped = [s[3] for s in samples if len(s) > 3]
-    return dict(tflops=flops * calls / elapsed / 1e12, mhz=statistics.median(mhz) if mhz else float("nan"),
-                watts=statistics.median(watts) if watts else float("nan"), limit=samples[0][2] if samples else "?",
-                capped=f"{sum(c == 'Active' for c in capped)}/{len(capped)}", n=len(samples))
+    return dict(
+        tflops=flops * calls / elapsed / 1e12,
+        mhz=statistics.median(mhz) if mhz else float("nan"),
+        watts=statistics.median(watts) if watts else float("nan"),
+        limit=samples[0][2] if samples else "?",
+        capped=f"{sum(c == 'Active' for c in capped)}/{len(capped)}",
+        n=len(samples),
+    )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -88,7 +104,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     n, dev = args.size, torch.device("cuda")
-    flops = 2.0 * n ** 3
+    flops = 2.0 * n**3
     target = _smi_target(dev)
     torch.manual_seed(0)
     dy = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
@@ -107,41 +123,60 @@ def main() -> None:
     def deq(data, scale_t):
         return data.double() * scale_t.T.double().repeat_interleave(128, dim=1)
 
-    err = rel_err(gluon_kernels.fp8_block_gemm(a8, sa, b8, sb, start.clone(), accumulate=True),
-                  start.double() + deq(a8, sa) @ deq(b8, sb).T)
-    err_aid = rel_err(gluon_kernels.fp8_block_gemm(a8, sa, b8, sb, start.clone(), accumulate=True, promote=False),
-                      start.double() + a8.double() @ b8.double().T)
+    err = rel_err(
+        gluon_kernels.fp8_block_gemm(a8, sa, b8, sb, start.clone(), accumulate=True),
+        start.double() + deq(a8, sa) @ deq(b8, sb).T,
+    )
+    err_aid = rel_err(
+        gluon_kernels.fp8_block_gemm(a8, sa, b8, sb, start.clone(), accumulate=True, promote=False),
+        start.double() + a8.double() @ b8.double().T,
+    )
     if err > 1e-3 or err_aid > 1e-3:
-        raise SystemExit(f"kernel check failed: rel err {err:.2e} (ours), {err_aid:.2e} (no-promotion aid)")
+        raise SystemExit(
+            f"kernel check failed: rel err {err:.2e} (ours), {err_aid:.2e} (no-promotion aid)"
+        )
 
     one = torch.ones((), device=dev)
     contenders = {
-        "ours: FP8 1x128 wgrad GEMM, in place (Gluon)":
-            lambda: scaled_gemm(a, b, main_grad, block=128, mx=False, accumulate=True),
-        "aid: the same kernel with the promotion left out (adds unscaled partials)":
-            lambda: gluon_kernels.fp8_block_gemm(a.data, a.scale_t, b.data, b.scale_t, main_grad, accumulate=True,
-                                                 promote=False),
-        "peer: cuBLAS _scaled_mm fp8 per-tensor + add_":
-            lambda: main_grad.add_(torch._scaled_mm(a.data, b.data.T, scale_a=one, scale_b=one, out_dtype=torch.float32)),
-        "peer: cuBLAS _scaled_mm fp8 1x128 blockwise + add_":
-            lambda: main_grad.add_(torch._scaled_mm(a.data, b.data.T, scale_a=a.scale_t.T, scale_b=b.scale_t,
-                                                    out_dtype=torch.float32)),
+        "ours: FP8 1x128 wgrad GEMM, in place (Gluon)": lambda: scaled_gemm(
+            a, b, main_grad, block=128, mx=False, accumulate=True
+        ),
+        "aid: the same kernel with the promotion left out (adds unscaled partials)": lambda: (
+            gluon_kernels.fp8_block_gemm(
+                a.data, a.scale_t, b.data, b.scale_t, main_grad, accumulate=True, promote=False
+            )
+        ),
+        "peer: cuBLAS _scaled_mm fp8 per-tensor + add_": lambda: main_grad.add_(
+            torch._scaled_mm(a.data, b.data.T, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        ),
+        "peer: cuBLAS _scaled_mm fp8 1x128 blockwise + add_": lambda: main_grad.add_(
+            torch._scaled_mm(
+                a.data, b.data.T, scale_a=a.scale_t.T, scale_b=b.scale_t, out_dtype=torch.float32
+            )
+        ),
     }
     rates = {k: [] for k in contenders}
     for _ in range(args.rounds):
         for k, fn in contenders.items():
             rates[k].append(flops / do_bench(fn, warmup=100, rep=300) / 1e9)
-    rows = [f"# fp8_power {datetime.date.today()} on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", "",
-            f"M = N = K = {n}, fp32 main_grad accumulated in place; check on a {s}^2 corner: rel err {err:.1e} vs "
-            f"float64 (ours), {err_aid:.1e} (aid vs the unscaled product). do_bench median per round, {args.rounds} "
-            f"interleaved rounds; then {args.seconds:.0f} s of each alone with nvidia-smi polled (medians).", "",
-            "| what | TFLOP/s, median (min-max) | sustained TFLOP/s | SM MHz | board W (limit) | power-capped samples "
-            "| TFLOP/s per W |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        f"# fp8_power {datetime.date.today()} on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}",
+        "",
+        f"M = N = K = {n}, fp32 main_grad accumulated in place; check on a {s}^2 corner: rel err {err:.1e} vs "
+        f"float64 (ours), {err_aid:.1e} (aid vs the unscaled product). do_bench median per round, {args.rounds} "
+        f"interleaved rounds; then {args.seconds:.0f} s of each alone with nvidia-smi polled (medians).",
+        "",
+        "| what | TFLOP/s, median (min-max) | sustained TFLOP/s | SM MHz | board W (limit) | power-capped samples "
+        "| TFLOP/s per W |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for k, fn in contenders.items():
         r = sustained(fn, flops, args.seconds, target)
         med = statistics.median(rates[k])
-        rows.append(f"| {k} | {med:.0f} ({min(rates[k]):.0f}-{max(rates[k]):.0f}) | {r['tflops']:.0f} | {r['mhz']:.0f} "
-                    f"| {r['watts']:.0f} ({r['limit']}) | {r['capped']} | {r['tflops'] / r['watts']:.2f} |")
+        rows.append(
+            f"| {k} | {med:.0f} ({min(rates[k]):.0f}-{max(rates[k]):.0f}) | {r['tflops']:.0f} | {r['mhz']:.0f} "
+            f"| {r['watts']:.0f} ({r['limit']}) | {r['capped']} | {r['tflops'] / r['watts']:.2f} |"
+        )
         print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

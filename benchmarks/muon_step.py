@@ -6,7 +6,7 @@ CPU smoke run (gloo):
     torchrun --nproc-per-node 2 benchmarks/muon_step.py --preset demo --device cpu --iters 2
 
 Only the optimizer is timed, on the hidden matrices of ``GPT(PRESETS[preset])`` (64 for
-``1b``) as routed by :func:`aligndp.routing.route_params`, bf16 params on GPU:
+``1b``) as routed by :func:`aligndp.plan.routing.route_params`, bf16 params on GPU:
   torch_muon_1gpu  rank 0 alone: ``torch.optim.Muon`` on fp32 masters of every matrix, then the
                    cast back into the bf16 params (what one GPU without data parallelism does)
   aligndp          ``parallelize(optimizer="muon", sharding="zero1")``: each rank steps the
@@ -15,6 +15,7 @@ Only the optimizer is timed, on the hidden matrices of ``GPT(PRESETS[preset])`` 
 Gradients are random and reduced once before timing; each timed call is one ``opt.step()``.
 JSON lines on rank 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ import torch.nn as nn
 from _bench import Timing, add_common_arguments, build_gpt, device_label, init, log
 
 import aligndp
-from aligndp.routing import route_params
+from aligndp.plan.routing import route_params
 
 
 class Matrices(nn.Module):
@@ -39,8 +40,10 @@ class Matrices(nn.Module):
             self.register_parameter(f"m{i}", nn.Parameter(t.detach().clone()))
 
 
-def hidden_matrices(preset: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The matrices :func:`aligndp.routing.route_params` gives Muon in ``GPT(PRESETS[preset])``."""
+def hidden_matrices(
+    preset: str, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The matrices :func:`aligndp.plan.routing.route_params` gives Muon in ``GPT(PRESETS[preset])``."""
     gpt = build_gpt(preset, device, dtype)
     named = dict(gpt.named_parameters())
     return {n: named[n] for n in route_params(gpt).muon}
@@ -76,17 +79,30 @@ class MuonStep:
     padding_fraction: float
 
 
-def aligndp_muon_step(matrices: dict[str, torch.Tensor], timing: Timing, *, bucket_numel: int) -> MuonStep:
+def aligndp_muon_step(
+    matrices: dict[str, torch.Tensor], timing: Timing, *, bucket_numel: int
+) -> MuonStep:
     """Seconds per ``opt.step()`` of ``parallelize(optimizer="muon", sharding="zero1")``: owners
     step their matrices whole, then one all-gather of the layer-wise buffer."""
-    model, opt = aligndp.parallelize(Matrices(matrices), optimizer="muon", sharding="zero1", lr=0.02,
-                                     bucket_numel=bucket_numel, grad_dtype=torch.float32)
+    model, opt = aligndp.parallelize(
+        Matrices(matrices),
+        optimizer="muon",
+        sharding="zero1",
+        lr=0.02,
+        bucket_numel=bucket_numel,
+        grad_dtype=torch.float32,
+    )
     model.finish_grad_sync()  # no backward: mark this step's gradients as synced, then fill them
     for buf in model.flat_buffers:
         buf.grad_data.normal_(0, 1e-3)  # every timed step reuses these "reduced" gradients
     seconds = timing(opt.step)
-    return MuonStep(seconds, len(model.layouts[0].buckets), len(opt.parts[0].owned), opt.imbalance,
-                    opt.padding_fraction)
+    return MuonStep(
+        seconds,
+        len(model.layouts[0].buckets),
+        len(opt.parts[0].owned),
+        opt.imbalance,
+        opt.padding_fraction,
+    )
 
 
 def main() -> None:
@@ -99,13 +115,28 @@ def main() -> None:
     timing = Timing(device, args.iters, args.warmup)
     matrices = hidden_matrices(args.preset, device, dtype)
     numel = sum(t.numel() for t in matrices.values())
-    log(what="env", torch=torch.__version__, world_size=dist.get_world_size(), device=device_label(device),
-        preset=args.preset, matrices=len(matrices), numel=numel, dtype=str(dtype))
+    log(
+        what="env",
+        torch=torch.__version__,
+        world_size=dist.get_world_size(),
+        device=device_label(device),
+        preset=args.preset,
+        matrices=len(matrices),
+        numel=numel,
+        dtype=str(dtype),
+    )
     torch_s = torch_muon_1gpu(matrices, timing)
     log(what="torch_muon_1gpu", ms=1e3 * torch_s)
     r = aligndp_muon_step(matrices, timing, bucket_numel=args.bucket_numel)
-    log(what="aligndp", ms=1e3 * r.seconds, dp_size=dist.get_world_size(), buckets=r.buckets, owned=r.owned,
-        imbalance=round(r.imbalance, 4), padding_fraction=round(r.padding_fraction, 6))
+    log(
+        what="aligndp",
+        ms=1e3 * r.seconds,
+        dp_size=dist.get_world_size(),
+        buckets=r.buckets,
+        owned=r.owned,
+        imbalance=round(r.imbalance, 4),
+        padding_fraction=round(r.padding_fraction, 6),
+    )
     log(what="ratio", ratio=r.seconds / torch_s, goal=0.55)
     dist.destroy_process_group()
 

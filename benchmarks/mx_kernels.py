@@ -8,6 +8,7 @@ named by the issue). Every kernel of ours is first checked against a float64 ref
 the same data, so a fast wrong kernel cannot print a rate.
 Usage: ``python benchmarks/mx_kernels.py [--size 8192] [--out results.md]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import datetime
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from aligndp.mx.triton_kernels import dequantize_operand, quantize_rows_and_columns, scaled_gemm
+from aligndp.lowp.triton_kernels import dequantize_operand, quantize_rows_and_columns, scaled_gemm
 
 
 def tflops(m, n, k, ms):
@@ -27,8 +28,11 @@ def dequant_torch(op, block, mx):
     """(rows, K) operand back to float32 with torch ops (the dequant peer's first step)."""
     scale = op.scale_t
     if mx:
-        scale = torch.where(scale == 0, torch.tensor(2.0 ** -127, device=scale.device),
-                            (scale.to(torch.int32) << 23).view(torch.float32))
+        scale = torch.where(
+            scale == 0,
+            torch.tensor(2.0**-127, device=scale.device),
+            (scale.to(torch.int32) << 23).view(torch.float32),
+        )
     return op.data.float() * scale.T.repeat_interleave(block, dim=1)
 
 
@@ -53,11 +57,17 @@ def quantise_bytes(n: int, *, block: int, mx: bool, rowwise: bool, colwise: bool
     return 2 * n * n + (rowwise + colwise) * (n * n + scale_bytes)
 
 
-def quantise_ms(x, *, block: int, mx: bool, rowwise: bool, colwise: bool, impl: str = "auto") -> float:
+def quantise_ms(
+    x, *, block: int, mx: bool, rowwise: bool, colwise: bool, impl: str = "auto"
+) -> float:
     """Median ms of one quantise of ``x`` under ``do_bench_cudagraph`` (Python and launch
     time, which can exceed these kernels' GPU time, are not measured)."""
-    return do_bench_cudagraph(lambda: quantize_rows_and_columns(x, block=block, mx=mx, rowwise=rowwise,
-                                                                colwise=colwise, impl=impl), return_mode="median")
+    return do_bench_cudagraph(
+        lambda: quantize_rows_and_columns(
+            x, block=block, mx=mx, rowwise=rowwise, colwise=colwise, impl=impl
+        ),
+        return_mode="median",
+    )
 
 
 def bf16_wgrad_peer_ms(x, dy, main_grad) -> tuple[float, float]:
@@ -83,12 +93,18 @@ def wgrad_rel_err(a, b, *, block: int, mx: bool, sub: int = 1024) -> float:
     b_sub = type(b)(b.data[:sub].contiguous(), b.scale_t[:, :sub].contiguous())
     start = torch.randn(sub, sub, device=a.data.device)
     got = scaled_gemm(a_sub, b_sub, start.clone(), block=block, mx=mx, accumulate=True)
-    return rel_err(got, start.double() + dequant_torch(a_sub, block, mx).double() @ dequant_torch(b_sub, block, mx).double().T)
+    return rel_err(
+        got,
+        start.double()
+        + dequant_torch(a_sub, block, mx).double() @ dequant_torch(b_sub, block, mx).double().T,
+    )
 
 
 def wgrad_ms(a, b, main_grad, *, block: int, mx: bool, impl: str = "auto") -> float:
     """Median ms of our wgrad GEMM accumulating in place into ``main_grad``."""
-    return do_bench(lambda: scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True, impl=impl))
+    return do_bench(
+        lambda: scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True, impl=impl)
+    )
 
 
 def main() -> None:
@@ -98,12 +114,17 @@ def main() -> None:
     args = parser.parse_args()
     n = args.size
     dev = "cuda"
-    rows = [f"# mx_kernels {datetime.date.today()} on {torch.cuda.get_device_name()}, torch {torch.__version__}",
-            "", f"M = N = K = {n} (wgrad: out = in = tokens = {n}); GEMMs: do_bench median ms (L2 flushed "
-            "between calls); memory-bound kernels and their copy peer: do_bench_cudagraph median (a graph of "
-            "back-to-back calls, so Python and launch time per call, which can exceed these kernels' GPU time, "
-            "is not measured; one row shows the same call under plain do_bench)", "",
-            "| what | ms | rate | vs peer |", "| --- | --- | --- | --- |"]
+    rows = [
+        f"# mx_kernels {datetime.date.today()} on {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "",
+        f"M = N = K = {n} (wgrad: out = in = tokens = {n}); GEMMs: do_bench median ms (L2 flushed "
+        "between calls); memory-bound kernels and their copy peer: do_bench_cudagraph median (a graph of "
+        "back-to-back calls, so Python and launch time per call, which can exceed these kernels' GPU time, "
+        "is not measured; one row shows the same call under plain do_bench)",
+        "",
+        "| what | ms | rate | vs peer |",
+        "| --- | --- | --- | --- |",
+    ]
 
     def row(what, ms, rate, peer=""):
         rows.append(f"| {what} | {ms:.3f} | {rate} | {peer} |")
@@ -116,77 +137,157 @@ def main() -> None:
     copy_numel = 4 * n * n
     ms = copy_ms(copy_numel, dev, graph=False)
     copy_tbs = 2 * copy_numel * 2 / ms / 1e9
-    row(f"peer: device copy ({copy_numel * 2 >> 20} MiB into a preallocated tensor), read + write, do_bench", ms,
-        f"{copy_tbs:.2f} TB/s")
+    row(
+        f"peer: device copy ({copy_numel * 2 >> 20} MiB into a preallocated tensor), read + write, do_bench",
+        ms,
+        f"{copy_tbs:.2f} TB/s",
+    )
     ms = copy_ms(copy_numel, dev, graph=True)
     row("peer: the same copy, do_bench_cudagraph", ms, f"{2 * copy_numel * 2 / ms / 1e9:.2f} TB/s")
     copy_tbs = max(copy_tbs, 2 * copy_numel * 2 / ms / 1e9)
     rows.append(f"| (ratios 'of copy' below are to the faster copy: {copy_tbs:.2f} TB/s) | | | |")
 
     for name, block, mx in (("MXFP8 1x32 e8m0", 32, True), ("FP8 1x128 fp32", 128, False)):
-        for impl, what, rw, cw in (("auto", "row+col in one pass", True, True),
-                                   ("auto", "row only", True, False),
-                                   ("auto", "col only (the wgrad operand)", False, True),
-                                   ("triton", "row+col, plain-Triton fallback kernel", True, True)):
+        for impl, what, rw, cw in (
+            ("auto", "row+col in one pass", True, True),
+            ("auto", "row only", True, False),
+            ("auto", "col only (the wgrad operand)", False, True),
+            ("triton", "row+col, plain-Triton fallback kernel", True, True),
+        ):
             ms = quantise_ms(x, block=block, mx=mx, rowwise=rw, colwise=cw, impl=impl)
             tbs = quantise_bytes(n, block=block, mx=mx, rowwise=rw, colwise=cw) / ms / 1e9
-            row(f"ours: quantise {name}, {what} (bf16 in)", ms, f"{tbs:.2f} TB/s", f"{tbs / copy_tbs:.2f} of copy")
+            row(
+                f"ours: quantise {name}, {what} (bf16 in)",
+                ms,
+                f"{tbs:.2f} TB/s",
+                f"{tbs / copy_tbs:.2f} of copy",
+            )
 
     ms = do_bench(lambda: quantize_rows_and_columns(x))
-    row("ours: quantise MXFP8 row+col, plain do_bench (Python + launch included)", ms,
-        f"{(4 * n * n + 2 * n * n // 32) / ms / 1e9:.2f} TB/s")
+    row(
+        "ours: quantise MXFP8 row+col, plain do_bench (Python + launch included)",
+        ms,
+        f"{(4 * n * n + 2 * n * n // 32) / ms / 1e9:.2f} TB/s",
+    )
     ms_bf16, ms_bf16_add = bf16_wgrad_peer_ms(x, dy, main_grad)
     row("peer: cuBLAS bf16 matmul", ms_bf16, f"{tflops(n, n, n, ms_bf16):.0f} TFLOP/s")
-    row("peer: cuBLAS bf16 matmul + add_ into fp32 main_grad", ms_bf16_add, f"{tflops(n, n, n, ms_bf16_add):.0f} TFLOP/s")
+    row(
+        "peer: cuBLAS bf16 matmul + add_ into fp32 main_grad",
+        ms_bf16_add,
+        f"{tflops(n, n, n, ms_bf16_add):.0f} TFLOP/s",
+    )
 
     dyt, xt = dy.T.contiguous(), x.T.contiguous()
     a8, b8 = dyt.to(torch.float8_e4m3fn), xt.to(torch.float8_e4m3fn)
     one = torch.ones((), device=dev)
-    ms = do_bench(lambda: torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one, out_dtype=torch.float32))
+    ms = do_bench(
+        lambda: torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    )
     row("peer: _scaled_mm fp8 per-tensor (fp32 out)", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
-    ms_sm = do_bench(lambda: main_grad.add_(torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one,
-                                                             out_dtype=torch.float32)))
-    row("peer: _scaled_mm fp8 per-tensor + add_ into fp32 main_grad", ms_sm, f"{tflops(n, n, n, ms_sm):.0f} TFLOP/s")
+    ms_sm = do_bench(
+        lambda: main_grad.add_(
+            torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        )
+    )
+    row(
+        "peer: _scaled_mm fp8 per-tensor + add_ into fp32 main_grad",
+        ms_sm,
+        f"{tflops(n, n, n, ms_sm):.0f} TFLOP/s",
+    )
 
     for name, block, mx in (("MXFP8", 32, True), ("FP8 1x128", 128, False)):
         a, b = wgrad_operands(dy, x, block=block, mx=mx)
-        err = wgrad_rel_err(a, b, block=block, mx=mx)  # correctness on the benchmark's own data first
+        err = wgrad_rel_err(
+            a, b, block=block, mx=mx
+        )  # correctness on the benchmark's own data first
         peer = ms_sm
         if mx:
-            ms = do_bench(lambda: main_grad.add_(dequant_torch(a, block, mx).bfloat16() @ dequant_torch(b, block, mx).bfloat16().T))  # noqa: B023
-            row("peer: MXFP8 dequant (torch ops) -> bf16 -> cuBLAS + add_", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
+            ms = do_bench(
+                lambda: main_grad.add_(
+                    dequant_torch(a, block, mx).bfloat16()
+                    @ dequant_torch(b, block, mx).bfloat16().T
+                )
+            )  # noqa: B023
+            row(
+                "peer: MXFP8 dequant (torch ops) -> bf16 -> cuBLAS + add_",
+                ms,
+                f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+            )
             peer = ms
             da, db = dequantize_operand(a), dequantize_operand(b)
             ms = do_bench(lambda: main_grad.add_(da @ db.T))  # noqa: B023
-            row("peer: cuBLAS on pre-dequantised bf16 + add_", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
+            row(
+                "peer: cuBLAS on pre-dequantised bf16 + add_",
+                ms,
+                f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+            )
             del da, db
             ms = do_bench_cudagraph(lambda: dequantize_operand(b), return_mode="median")  # noqa: B023
-            row("ours: MXFP8 dequantise pass (one operand, fp8 + e8m0 -> bf16)", ms, f"{3 * n * n / ms / 1e9:.2f} TB/s",
-                f"{3 * n * n / ms / 1e9 / copy_tbs:.2f} of copy")
+            row(
+                "ours: MXFP8 dequantise pass (one operand, fp8 + e8m0 -> bf16)",
+                ms,
+                f"{3 * n * n / ms / 1e9:.2f} TB/s",
+                f"{3 * n * n / ms / 1e9 / copy_tbs:.2f} of copy",
+            )
         else:
             try:  # cuBLAS blockwise 1x128 x 1x128 (scales outer-dim-major), where available
                 sa, sb = a.scale_t.T, b.scale_t
-                ms = do_bench(lambda: main_grad.add_(torch._scaled_mm(a.data, b.data.T, scale_a=sa, scale_b=sb,  # noqa: B023
-                                                                      out_dtype=torch.float32)))
-                row("peer: _scaled_mm fp8 1x128 blockwise + add_ into fp32 main_grad", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
+                ms = do_bench(
+                    lambda: main_grad.add_(
+                        torch._scaled_mm(
+                            a.data,
+                            b.data.T,
+                            scale_a=sa,
+                            scale_b=sb,  # noqa: B023
+                            out_dtype=torch.float32,
+                        )
+                    )
+                )
+                row(
+                    "peer: _scaled_mm fp8 1x128 blockwise + add_ into fp32 main_grad",
+                    ms,
+                    f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+                )
                 peer = ms
             except RuntimeError as err_sm:
-                rows.append(f"| peer: _scaled_mm fp8 1x128 blockwise | failed | {str(err_sm).splitlines()[0][:90]} | |")
+                rows.append(
+                    f"| peer: _scaled_mm fp8 1x128 blockwise | failed | {str(err_sm).splitlines()[0][:90]} | |"
+                )
                 print(rows[-1])
         ms = wgrad_ms(a, b, main_grad, block=block, mx=mx)
-        row(f"ours: {name} wgrad GEMM accumulating in place into fp32 main_grad (rel err {err:.1e})", ms,
-            f"{tflops(n, n, n, ms):.0f} TFLOP/s", f"{peer / ms:.2f}x the peer above; {ms_bf16_add / ms:.2f}x cuBLAS bf16+add_")
+        row(
+            f"ours: {name} wgrad GEMM accumulating in place into fp32 main_grad (rel err {err:.1e})",
+            ms,
+            f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+            f"{peer / ms:.2f}x the peer above; {ms_bf16_add / ms:.2f}x cuBLAS bf16+add_",
+        )
         if not mx:  # the plain-Triton 1x128 kernel, the fallback where Gluon does not run
             ms = wgrad_ms(a, b, main_grad, block=block, mx=mx, impl="triton")
-            row(f"ours: {name} wgrad GEMM, plain-Triton fallback kernel, fp32 main_grad", ms,
-                f"{tflops(n, n, n, ms):.0f} TFLOP/s", f"{peer / ms:.2f}x the peer above")
+            row(
+                f"ours: {name} wgrad GEMM, plain-Triton fallback kernel, fp32 main_grad",
+                ms,
+                f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+                f"{peer / ms:.2f}x the peer above",
+            )
         bf16_grad = main_grad.to(torch.bfloat16)
         ms = wgrad_ms(a, b, bf16_grad, block=block, mx=mx)
-        row(f"ours: {name} wgrad GEMM accumulating in place into bf16 main_grad", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
-        ms = do_bench(lambda: (quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False),  # noqa: B023
-                               quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False),  # noqa: B023
-                               scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True)))  # noqa: B023
-        row(f"ours: {name} quantise both + wgrad GEMM (end to end)", ms, f"{tflops(n, n, n, ms):.0f} TFLOP/s")
+        row(
+            f"ours: {name} wgrad GEMM accumulating in place into bf16 main_grad",
+            ms,
+            f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+        )
+        ms = do_bench(
+            lambda: (
+                quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False),  # noqa: B023
+                quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False),  # noqa: B023
+                scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True),
+            )
+        )  # noqa: B023
+        row(
+            f"ours: {name} quantise both + wgrad GEMM (end to end)",
+            ms,
+            f"{tflops(n, n, n, ms):.0f} TFLOP/s",
+        )
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(rows) + "\n")

@@ -8,6 +8,7 @@ Each round: 2 warm-up steps, then ``--steps`` timed steps on random tokens.
 Usage: ``python benchmarks/mx_training.py [--presets gpt2-small,1b] [--batch-size 8] [--out f.md]``;
 ``--device cpu --wgrad none,mxfp8 --presets demo`` runs the reference backend (a smoke test).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,19 +22,31 @@ import torch.distributed as dist
 from _bench import build_gpt
 
 import aligndp
+from aligndp.app.train import TrainConfig
+from aligndp.app.train_loop import wgrad_backend
+from aligndp.lowp import convert_to_mxfp8
 from aligndp.models.gpt import PRESETS
-from aligndp.mx import convert_to_mxfp8
-from aligndp.train import TrainConfig
-from aligndp.train_loop import wgrad_backend
 
 
-def build(preset: str, wgrad: str, device: torch.device, seed: int = 0,
-          process_group: dist.ProcessGroup | None = None):
+def build(
+    preset: str,
+    wgrad: str,
+    device: torch.device,
+    seed: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+):
     module = build_gpt(preset, device, torch.float32, seed=seed)
     if wgrad != "none":
-        convert_to_mxfp8(module, backend=wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type)))
-    return aligndp.parallelize(module, optimizer="adamw", lr=3e-4, wgrad=None if wgrad == "none" else wgrad,
-                               process_group=process_group)
+        convert_to_mxfp8(
+            module, backend=wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type))
+        )
+    return aligndp.parallelize(
+        module,
+        optimizer="adamw",
+        lr=3e-4,
+        wgrad=None if wgrad == "none" else wgrad,
+        process_group=process_group,
+    )
 
 
 def train_step(model, optimizer, x, y, device_type: str) -> torch.Tensor:
@@ -64,8 +77,16 @@ class StepTimes:
         return statistics.median(self.ms)
 
 
-def step_times(preset: str, modes: list[str], device: torch.device, *, batch_size: int, rounds: int, steps: int,
-               process_group: dist.ProcessGroup | None = None) -> dict[str, StepTimes]:
+def step_times(
+    preset: str,
+    modes: list[str],
+    device: torch.device,
+    *,
+    batch_size: int,
+    rounds: int,
+    steps: int,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, StepTimes]:
     """The ``modes`` of one preset built side by side (on ``process_group``, one rank) and timed in
     ``rounds`` interleaved rounds of 2 warm-up + ``steps`` timed steps each."""
     cfg = PRESETS[preset]
@@ -74,8 +95,12 @@ def step_times(preset: str, modes: list[str], device: torch.device, *, batch_siz
     times, losses = {m: [] for m in modes}, {}
     for _ in range(rounds):
         for m, (model, optimizer) in runs.items():
-            batches = [torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len), generator=gen).to(device)
-                       for _ in range(steps + 2)]
+            batches = [
+                torch.randint(cfg.vocab_size, (2, batch_size, cfg.seq_len), generator=gen).to(
+                    device
+                )
+                for _ in range(steps + 2)
+            ]
             for x, y in batches[:2]:
                 train_step(model, optimizer, x, y, device.type)
             sync(device)
@@ -101,20 +126,30 @@ def main() -> None:
     modes = args.wgrad.split(",")
     if "none" not in modes:
         raise SystemExit("--wgrad must include none: it is the peer every ratio is taken against")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = [f"# mx_training {datetime.date.today()} on {name}, torch {torch.__version__}", "",
-            f"batch {args.batch_size} sequences, bf16 autocast, AdamW, 1 rank; median step time of {args.rounds} "
-            f"interleaved rounds of {args.steps} steps", "",
-            "| model | --wgrad | ms/step (min-max) | k tokens/s | step time / bf16 | loss after the run |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        f"# mx_training {datetime.date.today()} on {name}, torch {torch.__version__}",
+        "",
+        f"batch {args.batch_size} sequences, bf16 autocast, AdamW, 1 rank; median step time of {args.rounds} "
+        f"interleaved rounds of {args.steps} steps",
+        "",
+        "| model | --wgrad | ms/step (min-max) | k tokens/s | step time / bf16 | loss after the run |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for preset in args.presets.split(","):
         cfg = PRESETS[preset]
-        results = step_times(preset, modes, device, batch_size=args.batch_size, rounds=args.rounds, steps=args.steps)
+        results = step_times(
+            preset, modes, device, batch_size=args.batch_size, rounds=args.rounds, steps=args.steps
+        )
         base = results["none"].median_ms
         for m, r in results.items():
-            rows.append(f"| {preset} | {m} | {r.median_ms:.1f} ({min(r.ms):.1f}-{max(r.ms):.1f}) | "
-                        f"{args.batch_size * cfg.seq_len / r.median_ms:.0f} | {r.median_ms / base:.2f} | {r.loss:.3f} |")
+            rows.append(
+                f"| {preset} | {m} | {r.median_ms:.1f} ({min(r.ms):.1f}-{max(r.ms):.1f}) | "
+                f"{args.batch_size * cfg.seq_len / r.median_ms:.0f} | {r.median_ms / base:.2f} | {r.loss:.3f} |"
+            )
             print(rows[-1], flush=True)
         del results
         if device.type == "cuda":

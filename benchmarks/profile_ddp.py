@@ -7,6 +7,7 @@ by class (GEMM, NCCL, elementwise/other), and when the last NCCL kernel ends rel
 last compute kernel — which separates "comm exposed after backward" from "compute slowed by
 comm running beside it".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from aligndp.ddp import DataParallel, DDPConfig
 from aligndp.models.gpt import GPT, PRESETS
+from aligndp.runtime.ddp import DataParallel, DDPConfig
 
 
 def classify(name: str) -> str:
@@ -43,8 +44,11 @@ def summarize(prof) -> dict:
         by_class[c] = by_class.get(c, 0.0) + (e - s) / 1e3
     compute_end = max(e for s, e, c in spans if c != "nccl")
     nccl = [(s, e) for s, e, c in spans if c == "nccl"]
-    out = {"span_ms": (max(e for _, e, _ in spans) - start) / 1e3, "kernel_ms_by_class": by_class,
-           "compute_end_ms": (compute_end - start) / 1e3}
+    out = {
+        "span_ms": (max(e for _, e, _ in spans) - start) / 1e3,
+        "kernel_ms_by_class": by_class,
+        "compute_end_ms": (compute_end - start) / 1e3,
+    }
     if nccl:
         out["nccl_first_start_ms"] = (min(s for s, _ in nccl) - start) / 1e3
         out["nccl_last_end_ms"] = (max(e for _, e in nccl) - start) / 1e3

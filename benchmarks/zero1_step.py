@@ -14,6 +14,7 @@ JSON lines on rank 0:
   zero1       aligndp parallelize(sharding="zero1"), per overlap_param_gather setting; ratio = zero1 / torch
   state       optimizer bytes per rank (fp32 masters + AdamW state) against total / dp_size
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,12 @@ from aligndp.models.gpt import PRESETS
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (exp_avg, exp_avg_sq, step)."""
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
 
 
 def torch_ddp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing) -> tuple[float, int]:
@@ -47,14 +53,29 @@ def torch_ddp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing) ->
     return timing(torch_step), state_bytes(torch_opt)
 
 
-def aligndp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, sharding: str, bucket_numel: int,
-                       grad_dtype: torch.dtype | None = None, overlap_param_gather: bool = False,
-                       inspect: Callable | None = None) -> tuple[float, int]:
+def aligndp_adamw_step(
+    model: nn.Module,
+    idx: torch.Tensor,
+    timing: Timing,
+    *,
+    sharding: str,
+    bucket_numel: int,
+    grad_dtype: torch.dtype | None = None,
+    overlap_param_gather: bool = False,
+    inspect: Callable | None = None,
+) -> tuple[float, int]:
     """Seconds per ``parallelize(sharding=..., fused=True)`` AdamW step (fwd + bwd + step +
     zero_grad) and the number of buckets; ``inspect(model, opt)`` runs after timing, before
     the hooks are removed."""
-    ours, opt = aligndp.parallelize(model, sharding=sharding, lr=1e-4, bucket_numel=bucket_numel,
-                                    grad_dtype=grad_dtype, overlap_param_gather=overlap_param_gather, fused=True)
+    ours, opt = aligndp.parallelize(
+        model,
+        sharding=sharding,
+        lr=1e-4,
+        bucket_numel=bucket_numel,
+        grad_dtype=grad_dtype,
+        overlap_param_gather=overlap_param_gather,
+        fused=True,
+    )
 
     def step() -> None:
         ours(idx, idx).backward()
@@ -75,10 +96,16 @@ def aligndp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing, *, s
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_common_arguments(ap)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU (of the preset's seq_len)")
+    ap.add_argument(
+        "--batch", type=int, default=8, help="sequences per GPU (of the preset's seq_len)"
+    )
     ap.add_argument("--bucket-numel", type=int, default=40_000_000)
-    ap.add_argument("--grad-dtype", default="param", choices=["param", "fp32"],
-                    help="aligndp gradient buffer dtype (torch DDP always reduces in the param dtype)")
+    ap.add_argument(
+        "--grad-dtype",
+        default="param",
+        choices=["param", "fp32"],
+        help="aligndp gradient buffer dtype (torch DDP always reduces in the param dtype)",
+    )
     args = ap.parse_args()
 
     device, dtype = init(args.device)
@@ -86,8 +113,16 @@ def main() -> None:
     timing = Timing(device, args.iters, args.warmup)
     cfg = PRESETS[args.preset]
     ws = dist.get_world_size()
-    log(what="env", torch=torch.__version__, world_size=ws, device=device_label(device),
-        preset=args.preset, batch=args.batch, seq_len=cfg.seq_len, dtype=str(dtype))
+    log(
+        what="env",
+        torch=torch.__version__,
+        world_size=ws,
+        device=device_label(device),
+        preset=args.preset,
+        batch=args.batch,
+        seq_len=cfg.seq_len,
+        dtype=str(dtype),
+    )
 
     gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
     idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device, generator=gen)
@@ -104,20 +139,44 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     grad_dtype = torch.float32 if args.grad_dtype == "fp32" else None
-    t, buckets = aligndp_adamw_step(make(), idx, timing, sharding="none", bucket_numel=args.bucket_numel,
-                                    grad_dtype=grad_dtype)
-    log(what="aligndp_ddp", bucket_numel=args.bucket_numel, buckets=buckets, step_ms=t * 1e3, ratio=t / t_torch)
+    t, buckets = aligndp_adamw_step(
+        make(), idx, timing, sharding="none", bucket_numel=args.bucket_numel, grad_dtype=grad_dtype
+    )
+    log(
+        what="aligndp_ddp",
+        bucket_numel=args.bucket_numel,
+        buckets=buckets,
+        step_ms=t * 1e3,
+        ratio=t / t_torch,
+    )
     best = None
     for overlap_param_gather in (False, True):
         if cuda:
             torch.cuda.empty_cache()
-        inspect = (lambda m, o: report_state(o, m, nparams=nparams, ws=ws)) if overlap_param_gather else None
-        t, buckets = aligndp_adamw_step(make(), idx, timing, sharding="zero1", bucket_numel=args.bucket_numel,
-                                        grad_dtype=grad_dtype, overlap_param_gather=overlap_param_gather,
-                                        inspect=inspect)
+        inspect = (
+            (lambda m, o: report_state(o, m, nparams=nparams, ws=ws))
+            if overlap_param_gather
+            else None
+        )
+        t, buckets = aligndp_adamw_step(
+            make(),
+            idx,
+            timing,
+            sharding="zero1",
+            bucket_numel=args.bucket_numel,
+            grad_dtype=grad_dtype,
+            overlap_param_gather=overlap_param_gather,
+            inspect=inspect,
+        )
         best = t if best is None else min(best, t)
-        log(what="zero1", overlap_param_gather=overlap_param_gather, bucket_numel=args.bucket_numel,
-            buckets=buckets, step_ms=t * 1e3, ratio=t / t_torch)
+        log(
+            what="zero1",
+            overlap_param_gather=overlap_param_gather,
+            bucket_numel=args.bucket_numel,
+            buckets=buckets,
+            step_ms=t * 1e3,
+            ratio=t / t_torch,
+        )
     log(what="summary", ratio=best / t_torch, goal=0.95, met=best / t_torch <= 0.95)
     dist.destroy_process_group()
 
@@ -126,16 +185,25 @@ def report_state(opt, model, *, nparams: int, ws: int) -> None:
     """Optimizer bytes (fp32 masters that are copies + state) per rank vs the ideal total / dp_size."""
     masters = sum(p.master.numel() * 4 for p in opt.pieces if p.cast_back)
     mine = state_bytes(opt.inner[0]) + masters
-    scalar = sum(t.numel() * t.element_size() for s in opt.inner[0].state.values() for t in s.values()
-                 if torch.is_tensor(t) and t.dim() == 0)
+    scalar = sum(
+        t.numel() * t.element_size()
+        for s in opt.inner[0].state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() == 0
+    )
     everyone: list[int] = [0] * ws
     dist.all_gather_object(everyone, [mine, scalar])
     per_element = (2 * 4) + (4 if any(p.cast_back for p in opt.pieces) or not opt.pieces else 0)
     ideal = nparams * per_element / ws
     worst = max(m - s for m, s in everyone)  # per-param step counters are not per-element state
-    log(what="state", bytes_per_rank=[m for m, _ in everyone], ideal_bytes_per_rank=ideal,
-        padding_over_ideal=worst / ideal - 1, goal=0.005,
-        layout_padding_fraction=max(layout.padding_fraction for layout in model.layouts))
+    log(
+        what="state",
+        bytes_per_rank=[m for m, _ in everyone],
+        ideal_bytes_per_rank=ideal,
+        padding_over_ideal=worst / ideal - 1,
+        goal=0.005,
+        layout_padding_fraction=max(layout.padding_fraction for layout in model.layouts),
+    )
 
 
 if __name__ == "__main__":

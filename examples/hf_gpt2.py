@@ -8,6 +8,7 @@ nothing downloaded), with the output head tied to the token embedding, so one pa
 used twice per step. ``aligndp.parallelize`` wraps it as it is: no change to the model's code.
 The data is aligndp's embedded synthetic arithmetic (byte-level, vocab 256).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import aligndp
-from aligndp.data import BatchSpec, TokenData
-from aligndp.train import launch_local
+from aligndp.app.data import BatchSpec, TokenData
+from aligndp.app.train import launch_local
 
 SEQ_LEN = 64
 BATCH_SIZE = 8
@@ -30,16 +31,24 @@ def build_model(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=256, n_positions=SEQ_LEN, n_embd=64, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-        bos_token_id=ord(";"), eos_token_id=ord(";"),
+        vocab_size=256,
+        n_positions=SEQ_LEN,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=ord(";"),
+        eos_token_id=ord(";"),
     )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
 
 
 def loss_of(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``targets`` are ``inputs`` shifted by one (aligndp.data)."""
+    """Mean next-token cross-entropy; ``targets`` are ``inputs`` shifted by one (aligndp.app.data)."""
     logits = model(input_ids=inputs).logits  # (batch, seq_len, vocab)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -53,7 +62,9 @@ def train_rank(steps: int, seed: int) -> dict:
         model, optimizer = aligndp.parallelize(build_model(seed), optimizer="adamw", lr=LR)
         hf = model.module
         if hf.lm_head.weight is not hf.transformer.wte.weight:
-            raise RuntimeError("the head is no longer tied to the token embedding after parallelize()")
+            raise RuntimeError(
+                "the head is no longer tied to the token embedding after parallelize()"
+            )
         data = TokenData.synthetic()
         spec = BatchSpec(BATCH_SIZE, SEQ_LEN, dp_size=dp_size)
         losses = []
@@ -82,9 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     result = launch_local(train_rank, args.nproc, args.steps, args.seed)[0]
-    print(f"GPT2LMHeadModel, {result['numel']:,} params on {args.nproc} ranks "
-          f"({result['padding_numel']:,} padding elements in the grad buffers): "
-          f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}")
+    print(
+        f"GPT2LMHeadModel, {result['numel']:,} params on {args.nproc} ranks "
+        f"({result['padding_numel']:,} padding elements in the grad buffers): "
+        f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}"
+    )
     return result
 
 

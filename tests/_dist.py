@@ -13,6 +13,7 @@ reported as that case's failure while the other cases of its world size still ru
 that dies outright (``os._exit``, a crash in C++) fails the case it was running, named from a
 progress file each rank writes before every case; the cases after it are reported as not run.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,12 +32,15 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, module: str, names: list[str]) -> None:
+def _worker(
+    rank: int, world_size: int, init_file: str, out_dir: str, module: str, names: list[str]
+) -> None:
     import importlib
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
+    )
     mod = importlib.import_module(module)
     results: dict[str, str | None] = {}
     for name in names:
@@ -53,7 +57,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, module: st
         if error is None and flag.item():
             error = f"rank {rank}: another rank failed"
         results[name] = error
-        _write(os.path.join(out_dir, f"rank{rank}.pkl"), results)  # what is done survives a later crash
+        _write(
+            os.path.join(out_dir, f"rank{rank}.pkl"), results
+        )  # what is done survives a later crash
         dist.barrier()
     _write(os.path.join(out_dir, f"rank{rank}.current"), None)
     dist.destroy_process_group()
@@ -89,7 +95,12 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
         init_file = os.path.join(tmp, "rendezvous")
         died = None
         try:
-            mp.spawn(_worker, args=(world_size, init_file, tmp, module, names), nprocs=world_size, join=True)
+            mp.spawn(
+                _worker,
+                args=(world_size, init_file, tmp, module, names),
+                nprocs=world_size,
+                join=True,
+            )
         except Exception as e:  # noqa: BLE001  a rank process died: name the case it was in
             died = f"{type(e).__name__}: {e}"
         merged: dict[str, str | None] = dict.fromkeys(names)
@@ -98,13 +109,17 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
             done = _read(os.path.join(tmp, f"rank{r}.pkl"), {})
             finished &= set(done)
             for name, err in done.items():
-                if err is not None and (merged[name] is None or "another rank failed" in merged[name]):
+                if err is not None and (
+                    merged[name] is None or "another rank failed" in merged[name]
+                ):
                     merged[name] = err
         if died is None:
             return merged
         running = {r: _read(os.path.join(tmp, f"rank{r}.current"), None) for r in range(world_size)}
-        crashed_in = sorted({name for name in running.values() if name is not None and name not in finished},
-                            key=names.index)
+        crashed_in = sorted(
+            {name for name in running.values() if name is not None and name not in finished},
+            key=names.index,
+        )
         for name in names:
             if name in finished:
                 continue
@@ -112,7 +127,9 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
                 ranks = [r for r, n in running.items() if n == name]
                 merged[name] = f"a rank process died while rank(s) {ranks} ran this case: {died}"
             else:
-                merged[name] = f"not run: a rank process died during {crashed_in or 'start-up'}: {died}"
+                merged[name] = (
+                    f"not run: a rank process died during {crashed_in or 'start-up'}: {died}"
+                )
         return merged
 
 
@@ -150,6 +167,7 @@ def make_tests(module_globals: dict) -> None:
         return cache[ws]
 
     for name, case_sizes in cases.items():
+
         def test(ws: int, _name: str = name) -> None:
             err = results(ws)[_name]
             if err is not None:

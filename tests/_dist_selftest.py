@@ -2,6 +2,7 @@
 
 Not a test module (no ``test_`` prefix): the runner's own test calls ``run_cases`` on it.
 """
+
 import os
 
 import pytest

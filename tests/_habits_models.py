@@ -8,6 +8,7 @@ and AdamW on the rest, cut into the same param groups in the same order as align
 (:func:`newton_schulz_fp32`): torch's bf16 iteration turns last-bit differences of the
 reduction order into ~1e-4 relative differences (tests/test_muon.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aligndp
-from aligndp.routing import route_params
+from aligndp.plan.routing import route_params
 from tests.test_ddp import VOCAB, Net, batch, loss_of, make_net  # noqa: F401  (re-exported)
 from tests.test_muon import fp32_newton_schulz
 
@@ -55,10 +56,20 @@ class TorchDDP:
     ``groups``: ``[(names, options), ...]`` as given to aligndp's ``param_groups`` (None: one).
     """
 
-    def __init__(self, net: nn.Module, mode: str, *, find_unused: bool = False,
-                 groups: Sequence[tuple[Sequence[str], dict]] | None = None, lr: float = LR,
-                 optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, **ddp_kwargs) -> None:
-        self.model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=find_unused, **ddp_kwargs)
+    def __init__(
+        self,
+        net: nn.Module,
+        mode: str,
+        *,
+        find_unused: bool = False,
+        groups: Sequence[tuple[Sequence[str], dict]] | None = None,
+        lr: float = LR,
+        optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        **ddp_kwargs,
+    ) -> None:
+        self.model = nn.parallel.DistributedDataParallel(
+            net, find_unused_parameters=find_unused, **ddp_kwargs
+        )
         named = {n: p for n, p in net.named_parameters() if p.requires_grad}
         if groups is None:
             groups = [(list(named), {})]
@@ -69,8 +80,11 @@ class TorchDDP:
             parts = [(optimizer, set(named))]
         self.opts = []
         for opt_class, names in parts:
-            torch_groups = [{"params": [named[n] for n in g if n in names], **options}
-                            for g, options in groups if any(n in names for n in g)]
+            torch_groups = [
+                {"params": [named[n] for n in g if n in names], **options}
+                for g, options in groups
+                if any(n in names for n in g)
+            ]
             if torch_groups:
                 self.opts.append(opt_class(torch_groups, lr=lr))
 
@@ -122,7 +136,9 @@ def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def micro_batches(step: int, rank: int, ws: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+def micro_batches(
+    step: int, rank: int, ws: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """This rank's slice of ``step``'s global batch in ``count`` (1-3) micro-batches along tokens:
     ``(idx, tgt, token share)``, so the weighted losses sum to the whole slice's loss."""
     idx, tgt = batch(step, rank, ws)
@@ -130,15 +146,27 @@ def micro_batches(step: int, rank: int, ws: int, count: int) -> list[tuple[torch
     return [(idx[:, a:b], tgt[:, a:b], (b - a) / 5) for a, b in zip(cuts, cuts[1:])]
 
 
-def backward_on(model: nn.Module, step: int, rank: int, ws: int, *, skip_mix: bool = False) -> torch.Tensor:
+def backward_on(
+    model: nn.Module, step: int, rank: int, ws: int, *, skip_mix: bool = False
+) -> torch.Tensor:
     idx, tgt = batch(step, rank, ws)
     loss = F.cross_entropy(model(idx, skip_mix=skip_mix).reshape(-1, VOCAB), tgt.reshape(-1))
     loss.backward()
     return loss
 
 
-def train_step_both(model, opt, ref: TorchDDP, step: int, rank: int, ws: int, what: str, *,
-                    skip_mix: bool = False, set_to_none: bool = True) -> None:
+def train_step_both(
+    model,
+    opt,
+    ref: TorchDDP,
+    step: int,
+    rank: int,
+    ws: int,
+    what: str,
+    *,
+    skip_mix: bool = False,
+    set_to_none: bool = True,
+) -> None:
     """One step of ``step``'s data on aligndp and on torch DDP (backward, step, zero_grad), then
     the params compared."""
     backward_on(model, step, rank, ws, skip_mix=skip_mix)
@@ -172,6 +200,7 @@ def shared_path(name: str) -> Iterator[str]:
 
 
 # ---- models ----
+
 
 class BatchNormNet(nn.Module):
     """Embedding -> Linear -> BatchNorm1d -> Linear: running statistics differ per rank's data."""

@@ -1,4 +1,5 @@
 """FlatBuffer: views at layout offsets, real pointer alignment, param values preserved."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from aligndp.buffer import FlatBuffer, aligned_empty
-from aligndp.layout import Mode, ParamSpec, Requirement, plan_layout
+from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_layout
+from aligndp.runtime.buffer import FlatBuffer, aligned_empty
 
 ODD_SHAPES = [(97,), (103, 5), (7, 13), (1,), (300,), (33, 3)]
 MXFP8 = Requirement("MXFP8 wgrad", start_elements=64)
@@ -19,12 +20,17 @@ def params_of(shapes, dtype):
 
 
 @pytest.mark.parametrize("mode", list(Mode))
-@pytest.mark.parametrize("dtype,grad_dtype,align_bytes", [
-    (torch.bfloat16, torch.bfloat16, 128),
-    (torch.float32, torch.float32, 256),
-    (torch.bfloat16, torch.float32, 256),
-])
-def test_regression_layerwise_mxfp8_main_grad_pointers_aligned(mode, dtype, grad_dtype, align_bytes):
+@pytest.mark.parametrize(
+    "dtype,grad_dtype,align_bytes",
+    [
+        (torch.bfloat16, torch.bfloat16, 128),
+        (torch.float32, torch.float32, 256),
+        (torch.bfloat16, torch.float32, 256),
+    ],
+)
+def test_regression_layerwise_mxfp8_main_grad_pointers_aligned(
+    mode, dtype, grad_dtype, align_bytes
+):
     """Regression for the bug this project exists for.
 
     Megatron-LM's layer-wise optimizer path packed params back to back; a param's main_grad
@@ -36,8 +42,15 @@ def test_regression_layerwise_mxfp8_main_grad_pointers_aligned(mode, dtype, grad
     """
     shapes = ODD_SHAPES
     specs = [ParamSpec(f"p{i}", s, dtype) for i, s in enumerate(shapes)]
-    layout = plan_layout(specs, dp_size=3, mode=mode, bucket_numel=400, requirements=[MXFP8],
-                         start_alignment=1, grad_dtype=grad_dtype)
+    layout = plan_layout(
+        specs,
+        dp_size=3,
+        mode=mode,
+        bucket_numel=400,
+        requirements=[MXFP8],
+        start_alignment=1,
+        grad_dtype=grad_dtype,
+    )
     params = params_of(shapes, dtype)
     values = [p.detach().clone() for p in params]
     buf = FlatBuffer(layout, params, with_param_data=mode is not Mode.REPLICATED)
@@ -69,7 +82,9 @@ def test_hand_made_misaligned_layout_is_refused_naming_the_param():
     layout = plan_layout(specs)
     slot = layout.param("a")
     shifted = dataclasses.replace(slot, start=slot.start + 10, end=slot.end + 10)
-    broken = dataclasses.replace(layout, params=tuple(shifted if p.name == "a" else p for p in layout.params))
+    broken = dataclasses.replace(
+        layout, params=tuple(shifted if p.name == "a" else p for p in layout.params)
+    )
     with pytest.raises(ValueError, match=r"param 'a' starts at element 138 \(552 B"):
         FlatBuffer(broken, params_of([(97,), (103,)], torch.float32))
 

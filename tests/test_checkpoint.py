@@ -4,6 +4,7 @@ Cases write checkpoints into a directory shared by every process of this test se
 (``ALIGNDP_TEST_CKPT_DIR``, created by the pytest process, inherited by the spawned ranks) and
 cases at other world sizes read them: 4 -> 2 and 2 -> 1, 3, ordered with ``case(after=...)``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -66,10 +67,13 @@ def reference(steps: int) -> nn.Module:
 
 
 def build(sharding: str, bucket_numel: int | None, dtype=torch.float32, **kwargs):
-    return aligndp.parallelize(make_net().to(dtype), sharding=sharding, lr=LR, bucket_numel=bucket_numel, **kwargs)
+    return aligndp.parallelize(
+        make_net().to(dtype), sharding=sharding, lr=LR, bucket_numel=bucket_numel, **kwargs
+    )
 
 
 # ---- world size 4 writes, world size 2 reads; world size 2 writes, 1 and 3 read ----
+
 
 @case(4)
 def case_save_at_four_ranks(rank, ws):
@@ -85,7 +89,9 @@ def case_save_at_four_ranks(rank, ws):
     train(model, opt, range(SAVED_AT, SAVED_AT + 1))
     train(again, again_opt, range(SAVED_AT, SAVED_AT + 1))
     for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n} after a step: {m}")
+        torch.testing.assert_close(
+            q, p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n} after a step: {m}"
+        )
 
 
 @case(2, after=(4,))
@@ -102,9 +108,13 @@ def case_save_at_two_ranks(rank, ws):
         aligndp.save(ckpt(sharding), model, opt, step=SAVED_AT)
     assert not os.path.exists(ckpt("zero1") + ".partial")
     keys = dcp.FileSystemReader(ckpt("zero1")).read_metadata().state_dict_metadata
-    assert "optim.state.fc1.weight.exp_avg" in keys and tuple(keys["model.fc1.weight"].size) == (37 * 11,)
+    assert "optim.state.fc1.weight.exp_avg" in keys and tuple(keys["model.fc1.weight"].size) == (
+        37 * 11,
+    )
     chunks = keys["optim.state.fc1.weight.exp_avg"].chunks
-    assert len(chunks) == 2 and sum(c.sizes[0] for c in chunks) == 37 * 11, "each rank writes only its own part"
+    assert len(chunks) == 2 and sum(c.sizes[0] for c in chunks) == 37 * 11, (
+        "each rank writes only its own part"
+    )
 
 
 @case(2)
@@ -167,7 +177,12 @@ def case_wrong_model_is_a_clear_error(rank, ws):
     with pytest.raises(ValueError) as info:
         aligndp.load(ckpt("zero1"), model, opt)
     text = str(info.value)
-    for expected in ("extra.weight", "fc1.weight: checkpoint [37, 11] vs model [36, 11]", "missing", "unexpected"):
+    for expected in (
+        "extra.weight",
+        "fc1.weight: checkpoint [37, 11] vs model [36, 11]",
+        "missing",
+        "unexpected",
+    ):
         assert expected in text, f"{expected!r} not in {text!r}"
     with pytest.raises(ValueError, match="no aligndp checkpoint"):
         aligndp.load(ckpt("nothing-here"), model, opt)
@@ -175,12 +190,15 @@ def case_wrong_model_is_a_clear_error(rank, ws):
 
 # ---- world sizes 1 and 3: read what world size 2 wrote ----
 
+
 def resume_and_compare(saved: str, sharding: str, bucket_numel: int | None) -> None:
     model, opt = build(sharding, bucket_numel)
     assert aligndp.load(ckpt(saved), model, opt) == SAVED_AT
     assert_rel(model.module, reference(SAVED_AT), f"{saved} -> {sharding} right after load")
     train(model, opt, range(SAVED_AT, TOTAL))
-    assert_rel(model.module, reference(TOTAL), f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps")
+    assert_rel(
+        model.module, reference(TOTAL), f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps"
+    )
 
 
 @case(1, 3, after=(2,))

@@ -1,4 +1,5 @@
 """`aligndp layout`: flags, JSON, PNG, presets and user errors (in-process through cli.main)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from aligndp import cli, layout_cli
-from aligndp.layout import ParamSpec, plan_layout
+from aligndp.app import cli, layout_cli
+from aligndp.app.plot import draw_layout
 from aligndp.models.gpt import GPT, PRESETS
-from aligndp.plot import draw_layout
+from aligndp.plan.layout import ParamSpec, plan_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -30,37 +31,73 @@ def test_flags_are_pinned():
     layout_cli.add_arguments(parser)
     flags = {s for action in parser._actions for s in action.option_strings}
     assert flags == {
-        "-h", "--help", "--preset", "--shapes", "--dp", "--mode", "--optimizer", "--wgrad", "--bucket-numel",
-        "--dtype", "--grad-dtype", "--start-alignment", "--json", "--png",
+        "-h",
+        "--help",
+        "--preset",
+        "--shapes",
+        "--dp",
+        "--mode",
+        "--optimizer",
+        "--wgrad",
+        "--bucket-numel",
+        "--dtype",
+        "--grad-dtype",
+        "--start-alignment",
+        "--json",
+        "--png",
     }
 
 
 def test_json_matches_plan_layout(capsys):
-    code, out, _ = layout_main(capsys, "--shapes", "768x2304,2304,50257x768", "--dp", "4", "--mode", "sharded",
-                               "--bucket-numel", "2000000", "--json")
+    code, out, _ = layout_main(
+        capsys,
+        "--shapes",
+        "768x2304,2304,50257x768",
+        "--dp",
+        "4",
+        "--mode",
+        "sharded",
+        "--bucket-numel",
+        "2000000",
+        "--json",
+    )
     assert code == 0
     doc = json.loads(out)
     expected = plan_layout(
         [ParamSpec("p0", (768, 2304)), ParamSpec("p1", (2304,)), ParamSpec("p2", (50257, 768))],
-        dp_size=4, mode="sharded", bucket_numel=2_000_000,
+        dp_size=4,
+        mode="sharded",
+        bucket_numel=2_000_000,
     )
     (buffer,) = doc["buffers"]
-    for key in ("mode", "dtype", "numel", "padded_numel", "padding_numel", "imbalance", "buckets", "params"):
+    for key in (
+        "mode",
+        "dtype",
+        "numel",
+        "padded_numel",
+        "padding_numel",
+        "imbalance",
+        "buckets",
+        "params",
+    ):
         assert key in buffer
     assert buffer["mode"] == "sharded" and buffer["dtype"] == "float32"
     assert (buffer["numel"], buffer["padded_numel"]) == (expected.numel, expected.padded_numel)
     assert buffer["numel"] == 768 * 2304 + 2304 + 50257 * 768
     assert buffer["buckets"] == [{"start": b.start, "end": b.end} for b in expected.buckets]
-    assert [(p["name"], tuple(p["shape"]), p["start"], p["end"], p["bucket"], p["owner"]) for p in buffer["params"]] == [
-        (p.name, p.shape, p.start, p.end, p.bucket, p.owner) for p in expected.params
-    ]
+    assert [
+        (p["name"], tuple(p["shape"]), p["start"], p["end"], p["bucket"], p["owner"])
+        for p in buffer["params"]
+    ] == [(p.name, p.shape, p.start, p.end, p.bucket, p.owner) for p in expected.params]
     assert [p["name"] for p in buffer["params"]] == ["p2", "p1", "p0"]
 
 
 def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
     # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 64^3 + 32^3 = 294,912 and
     # 4096 + 1024 = 5,120 elements, imbalance exactly 1.
-    code, out, _ = layout_main(capsys, "--shapes", "64x64,64x64,32x32,32x32", "--dp", "2", "--mode", "layerwise")
+    code, out, _ = layout_main(
+        capsys, "--shapes", "64x64,64x64,32x32,32x32", "--dp", "2", "--mode", "layerwise"
+    )
     assert code == 0
     assert out.count("2.949e+05") == 2 and out.count("5,120") >= 2
     assert "imbalance (max/mean): cost 1.0000, numel 1.0000" in out
@@ -68,33 +105,60 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
 
 
 def test_lowered_alignment_shows_the_effective_one(capsys):
-    code, out, _ = layout_main(capsys, "--shapes", "97,103", "--wgrad", "mxfp8", "--start-alignment", "1", "--json")
+    code, out, _ = layout_main(
+        capsys, "--shapes", "97,103", "--wgrad", "mxfp8", "--start-alignment", "1", "--json"
+    )
     assert code == 0
     (buffer,) = json.loads(out)["buffers"]
     assert buffer["start_alignment"] == 64 and [p["start"] for p in buffer["params"]] == [0, 128]
-    code, out, _ = layout_main(capsys, "--shapes", "97,103", "--wgrad", "mxfp8", "--start-alignment", "1")
+    code, out, _ = layout_main(
+        capsys, "--shapes", "97,103", "--wgrad", "mxfp8", "--start-alignment", "1"
+    )
     assert "asked 1, effective 64 elements (raised by MXFP8 wgrad (cuBLASLt/Triton): 64)" in out
 
 
 def test_png_is_written(capsys, tmp_path):
     path = tmp_path / "layout.png"
-    code, out, _ = layout_main(capsys, "--shapes", "97,103,100x100,300x50", "--dp", "2", "--mode", "layerwise",
-                               "--png", str(path))
+    code, out, _ = layout_main(
+        capsys,
+        "--shapes",
+        "97,103,100x100,300x50",
+        "--dp",
+        "2",
+        "--mode",
+        "layerwise",
+        "--png",
+        str(path),
+    )
     assert code == 0 and str(path) in out
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_draw_layout_handles_many_params_and_buffers(tmp_path):
     specs = [ParamSpec(f"blocks.{i}.w", (37 + i, 11 + i % 7)) for i in range(200)]
-    layouts = [plan_layout(specs, dp_size=8, mode=m, bucket_numel=40_000) for m in ("sharded", "layerwise")]
+    layouts = [
+        plan_layout(specs, dp_size=8, mode=m, bucket_numel=40_000) for m in ("sharded", "layerwise")
+    ]
     draw_layout(layouts, tmp_path / "many.png")
     assert (tmp_path / "many.png").read_bytes()[:8] == PNG_MAGIC
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_plans_on_the_meta_device(capsys, preset):
-    code, out, _ = layout_main(capsys, "--preset", preset, "--dp", "8", "--mode", "layerwise", "--dtype", "bf16",
-                               "--wgrad", "mxfp8", "--json")
+    code, out, _ = layout_main(
+        capsys,
+        "--preset",
+        preset,
+        "--dp",
+        "8",
+        "--mode",
+        "layerwise",
+        "--dtype",
+        "bf16",
+        "--wgrad",
+        "mxfp8",
+        "--json",
+    )
     assert code == 0
     (buffer,) = json.loads(out)["buffers"]
     with torch.device("meta"):
@@ -103,7 +167,9 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
     assert buffer["numel"] == sum(p.numel() for p in named.values())
     assert sorted(p["name"] for p in buffer["params"]) == sorted(named)
     assert ("head.weight" in named) is not PRESETS[preset].tied
-    assert buffer["param_dtype"] == "bfloat16" and all(p["start"] % 64 == 0 for p in buffer["params"])
+    assert buffer["param_dtype"] == "bfloat16" and all(
+        p["start"] % 64 == 0 for p in buffer["params"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -112,13 +178,19 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         (["--shapes", "12xq"], r"'12xq', not a shape.*e\.g\. --shapes"),
         (["--shapes", "12,,3"], r"item 1 is ''"),
         (["--shapes", "0x4"], r"zero elements"),
-        (["--preset", "demo", "--shapes", "4"], r"exactly one of --preset or --shapes \(both given\)"),
+        (
+            ["--preset", "demo", "--shapes", "4"],
+            r"exactly one of --preset or --shapes \(both given\)",
+        ),
         ([], r"exactly one of --preset or --shapes \(neither given\)"),
         (["--preset", "gpt5"], r"unknown preset 'gpt5'.*gpt2-small"),
         (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
         (["--shapes", "4", "--bucket-numel", "0"], r"--bucket-numel must be > 0.*leave it out"),
         (["--shapes", "4", "--start-alignment", "48"], r"power of two.*48"),
-        (["--shapes", "64x64", "--optimizer", "muon", "--mode", "sharded"], r"whole matrices.*--mode layerwise"),
+        (
+            ["--shapes", "64x64", "--optimizer", "muon", "--mode", "sharded"],
+            r"whole matrices.*--mode layerwise",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):
@@ -132,8 +204,18 @@ def test_bad_input_exits_2_with_a_message(capsys, argv, message):
 def test_muon_layerwise_plans_what_zero1_muon_builds(capsys, preset):
     """--optimizer muon --mode layerwise: the routed hidden matrices (tied head and embeddings
     excluded) in one layer-wise buffer, every other param in a ZeRO-1 sharded buffer."""
-    code, out, _ = layout_main(capsys, "--preset", preset, "--dp", "4", "--mode", "layerwise",
-                               "--optimizer", "muon", "--json")
+    code, out, _ = layout_main(
+        capsys,
+        "--preset",
+        preset,
+        "--dp",
+        "4",
+        "--mode",
+        "layerwise",
+        "--optimizer",
+        "muon",
+        "--json",
+    )
     assert code == 0
     buffers = {b["mode"]: {p["name"] for p in b["params"]} for b in json.loads(out)["buffers"]}
     with torch.device("meta"):
@@ -141,14 +223,26 @@ def test_muon_layerwise_plans_what_zero1_muon_builds(capsys, preset):
     hidden = {n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")}
     assert buffers["layerwise"] == hidden
     assert buffers["sharded"] == {n for n, _ in model.named_parameters()} - hidden
-    code, out, _ = layout_main(capsys, "--preset", preset, "--dp", "4", "--optimizer", "muon", "--json")
+    code, out, _ = layout_main(
+        capsys, "--preset", preset, "--dp", "4", "--optimizer", "muon", "--json"
+    )
     (only,) = json.loads(out)["buffers"]
     assert only["mode"] == "replicated", "sharding none with Muon: plain DDP buffers"
 
 
 def test_muon_on_bare_shapes_routes_the_2d_ones(capsys):
-    code, out, _ = layout_main(capsys, "--shapes", "96x64,64,64x96", "--dp", "2", "--mode", "layerwise",
-                               "--optimizer", "muon", "--json")
+    code, out, _ = layout_main(
+        capsys,
+        "--shapes",
+        "96x64,64,64x96",
+        "--dp",
+        "2",
+        "--mode",
+        "layerwise",
+        "--optimizer",
+        "muon",
+        "--json",
+    )
     buffers = {b["mode"]: [p["name"] for p in b["params"]] for b in json.loads(out)["buffers"]}
     assert sorted(buffers["layerwise"]) == ["p0", "p2"] and buffers["sharded"] == ["p1"]
 
@@ -161,8 +255,21 @@ def test_unknown_choice_is_an_argparse_error(capsys):
 
 def test_python_dash_m_aligndp_layout():
     result = subprocess.run(
-        [sys.executable, "-m", "aligndp", "layout", "--shapes", "97,103", "--dp", "2", "--mode", "layerwise"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "aligndp",
+            "layout",
+            "--shapes",
+            "97,103",
+            "--dp",
+            "2",
+            "--mode",
+            "layerwise",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "layerwise buffer" in result.stdout and "imbalance (max/mean)" in result.stdout

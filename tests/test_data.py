@@ -1,11 +1,12 @@
 """Data for `aligndp train`: the synthetic language, files, and batches as functions of (seed, step)."""
+
 import re
 
 import numpy as np
 import pytest
 import torch
 
-from aligndp.data import BatchSpec, TokenData, arithmetic_text
+from aligndp.app.data import BatchSpec, TokenData, arithmetic_text
 
 
 def test_arithmetic_text_is_deterministic_and_every_sum_is_right():
@@ -25,7 +26,9 @@ def test_synthetic_data_is_byte_level_with_a_held_out_tail():
     assert data.vocab_size == 256 and len(data) == 10_000
     assert len(data.splits["eval"]) == 1000
     # train then eval, in order, covering the stream exactly once
-    np.testing.assert_array_equal(np.concatenate([data.splits["train"], data.splits["eval"]]), data.tokens)
+    np.testing.assert_array_equal(
+        np.concatenate([data.splits["train"], data.splits["eval"]]), data.tokens
+    )
     assert set(np.unique(data.tokens).tolist()) <= set(b"0123456789+=;")
 
 
@@ -64,8 +67,11 @@ def test_rank_and_micro_batch_slices_concatenate_to_the_global_batch(dp_size, mi
     data = TokenData.synthetic(num_bytes=20_000)
     spec = BatchSpec(batch_size=12, seq_len=8, dp_size=dp_size, micro_batches=micro_batches)
     for step in (0, 5):
-        parts = [data.batch(step, spec, seed=4, rank=r, micro_batch=m)
-                 for r in range(dp_size) for m in range(micro_batches)]
+        parts = [
+            data.batch(step, spec, seed=4, rank=r, micro_batch=m)
+            for r in range(dp_size)
+            for m in range(micro_batches)
+        ]
         assert all(p.inputs.shape == (12 // (dp_size * micro_batches), 8) for p in parts)
         whole = _global_batch(data, spec, step, seed=4)
         assert torch.equal(torch.cat([p.inputs for p in parts]), whole.inputs)
@@ -93,13 +99,15 @@ def test_bin_file_is_memory_mapped_uint16(tmp_path):
     start = data.offsets(1, batch_size=2, seq_len=16, seed=0)[0].item()
     assert batch.inputs[0].tolist() == ids[start : start + 16].tolist()
     data.check(seq_len=16, vocab_size=50257)
-    with pytest.raises(ValueError, match=r"token id 50\d\d\d does not fit the model's vocab_size=256"):
+    with pytest.raises(
+        ValueError, match=r"token id 50\d\d\d does not fit the model's vocab_size=256"
+    ):
         data.check(seq_len=16, vocab_size=256)
 
 
 def test_token_ids_past_the_scanned_head_are_caught_by_the_batch(tmp_path, monkeypatch):
     """check() scans only the head of a large file; a batch row with a bigger id still raises."""
-    monkeypatch.setattr("aligndp.data.VOCAB_SCAN_TOKENS", 100)
+    monkeypatch.setattr("aligndp.app.data.VOCAB_SCAN_TOKENS", 100)
     ids = np.full(2000, 7, dtype=np.uint16)
     ids[1000:] = 300  # past the scanned head, too big for a byte vocabulary
     path = tmp_path / "tokens.bin"
@@ -126,14 +134,19 @@ def test_file_too_small_for_one_batch_says_how_big_it_must_be(tmp_path):
     path.write_text("x" * 300)
     data = TokenData.from_file(path)
     # 300 bytes: eval split is 30 tokens, one sequence of 64 needs 65
-    with pytest.raises(ValueError, match=r"eval split has 30 tokens.*seq_len \+ 1 = 65.*at least 650 tokens"):
+    with pytest.raises(
+        ValueError, match=r"eval split has 30 tokens.*seq_len \+ 1 = 65.*at least 650 tokens"
+    ):
         data.check(seq_len=64, vocab_size=256)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "the file is empty"),
-    (b"\x01\x02\x03", "not a whole number of uint16 tokens"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "the file is empty"),
+        (b"\x01\x02\x03", "not a whole number of uint16 tokens"),
+    ],
+)
 def test_bad_bin_files(tmp_path, content, message):
     path = tmp_path / "bad.bin"
     path.write_bytes(content)
@@ -147,7 +160,10 @@ def test_missing_file(tmp_path):
 
 
 def test_batch_not_divisible_names_the_parts_and_a_fix():
-    with pytest.raises(ValueError, match=r"batch size 10 does not split into 2 rank\(s\) x 3 micro-batch\(es\) = 6 equal parts.*\(e\.g\. 12 or 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch size 10 does not split into 2 rank\(s\) x 3 micro-batch\(es\) = 6 equal parts.*\(e\.g\. 12 or 6\)",
+    ):
         BatchSpec(batch_size=10, seq_len=8, dp_size=2, micro_batches=3)
     with pytest.raises(ValueError, match="seq_len must be an integer >= 1"):
         BatchSpec(batch_size=4, seq_len=0)

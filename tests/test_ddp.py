@@ -1,4 +1,5 @@
 """DataParallel against torch DDP and against one process on the global batch (gloo)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aligndp
-from aligndp.ddp import DataParallel, DDPConfig
+from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
@@ -51,7 +52,7 @@ def batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, 
     idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
     tgt = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
     n = GLOBAL_BATCH // world_size
-    return idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]
+    return idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n]
 
 
 def loss_of(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,9 @@ def reference_grads(step: int = 0, frozen: bool = False) -> dict[str, torch.Tens
     return {n: p.grad for n, p in net.named_parameters() if p.requires_grad}
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str, rtol=1e-5, atol=1e-7) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, name: str, rtol=1e-5, atol=1e-7
+) -> None:
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
@@ -83,12 +86,15 @@ def grads_match_torch_ddp(overlap: bool) -> None:
         ours.finish_grad_sync()  # idempotent
         loss_of(theirs, *batch(step, rank, ws)).backward()
         if overlap and step > 0:
-            assert launched_early == len(ours.bucket_refs), f"only {launched_early} buckets launched during backward"
+            assert launched_early == len(ours.bucket_refs), (
+                f"only {launched_early} buckets launched during backward"
+            )
         if not overlap:
             assert launched_early == 0
         for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
-            assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), \
+            assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), (
                 f"{n}: param.grad must show the reduced main_grad view itself"
+            )
             assert_close(p.main_grad, q.grad, n)
     ours.remove_hooks()
 
@@ -119,14 +125,20 @@ def case_no_sync_four_micro_batches(rank, ws):
     ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=250))
     idx, tgt = batch(0, rank, ws)
     # split the 5 tokens of every row: equal micro-batch counts on every world size
-    chunks = [(idx[:, :2], tgt[:, :2]), (idx[:, 2:3], tgt[:, 2:3]), (idx[:, 3:4], tgt[:, 3:4]), (idx[:, 4:], tgt[:, 4:])]
+    chunks = [
+        (idx[:, :2], tgt[:, :2]),
+        (idx[:, 2:3], tgt[:, 2:3]),
+        (idx[:, 3:4], tgt[:, 3:4]),
+        (idx[:, 4:], tgt[:, 4:]),
+    ]
     weights = [2 / 5, 1 / 5, 1 / 5, 1 / 5]  # token share of each micro-batch
     for i, ((x, y), w) in enumerate(zip(chunks, weights)):
         if i < 3:
             with ours.no_sync():
                 (w * loss_of(ours, x, y)).backward()
-            assert ours.state.value == "accumulating" and ours.last_round is None, \
+            assert ours.state.value == "accumulating" and ours.last_round is None, (
                 "no reduction may run under no_sync"
+            )
         else:
             (w * loss_of(ours, x, y)).backward()
     ours.finish_grad_sync()
@@ -150,7 +162,9 @@ def case_unused_param_after_zero_grad_reads_zero(rank, ws):
     assert ours.module.mix.weight.main_grad.abs().sum() == 0
     assert ours.module.mix.bias.main_grad.abs().sum() == 0
     net = make_net()
-    F.cross_entropy(net(*batch(1)[:1], skip_mix=True).reshape(-1, VOCAB), batch(1)[1].reshape(-1)).backward()
+    F.cross_entropy(
+        net(*batch(1)[:1], skip_mix=True).reshape(-1, VOCAB), batch(1)[1].reshape(-1)
+    ).backward()
     assert_close(ours.module.fc1.weight.main_grad, net.fc1.weight.grad, "fc1.weight")
 
 
@@ -207,7 +221,7 @@ def case_lr_scheduler_and_clipping(rank, ws):
         ref_opt.step()
         ref_sched.step()
         ref_opt.zero_grad()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
         assert_close(p, q, n, rtol=1e-5, atol=1e-6)
 
@@ -282,18 +296,28 @@ def case_bad_input(rank, ws):
 
 # ---- guards against breaks that once passed the whole suite (issue 16) ----
 
+
 @contextlib.contextmanager
 def counting_collectives():
     """Count every gradient/param collective launched through torch.distributed meanwhile.
 
     Wraps the torch.distributed functions aligndp's collectives call (and the aliases
-    aligndp.collectives captured at import), so a launch is counted whichever code path makes it.
+    aligndp.runtime.collectives captured at import), so a launch is counted whichever code path makes it.
     """
-    import aligndp.collectives as collectives
+    import aligndp.runtime.collectives as collectives
 
     calls: list[str] = []
-    targets = [(dist, n) for n in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
-                                   "reduce_scatter_single", "all_gather_single", "broadcast")]
+    targets = [
+        (dist, n)
+        for n in (
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "all_gather_into_tensor",
+            "reduce_scatter_single",
+            "all_gather_single",
+            "broadcast",
+        )
+    ]
     targets += [(collectives, n) for n in ("_reduce_scatter", "_all_gather")]
     saved = [(obj, n, getattr(obj, n)) for obj, n in targets if hasattr(obj, n)]
 
@@ -301,6 +325,7 @@ def counting_collectives():
         def wrapper(*args, **kwargs):
             calls.append(name if kwargs.get("async_op") else f"{name}(blocking)")
             return fn(*args, **kwargs)
+
         return wrapper
 
     for obj, n, fn in saved:
@@ -315,7 +340,11 @@ def counting_collectives():
 def micro_batches(step: int, rank: int, ws: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """This rank's share of step's global batch as 3 micro-batches split along tokens: (x, y, weight)."""
     idx, tgt = batch(step, rank, ws)
-    return [(idx[:, :2], tgt[:, :2], 2 / 5), (idx[:, 2:4], tgt[:, 2:4], 2 / 5), (idx[:, 4:], tgt[:, 4:], 1 / 5)]
+    return [
+        (idx[:, :2], tgt[:, :2], 2 / 5),
+        (idx[:, 2:4], tgt[:, 2:4], 2 / 5),
+        (idx[:, 4:], tgt[:, 4:], 1 / 5),
+    ]
 
 
 @case(2)
@@ -348,19 +377,27 @@ def case_no_sync_after_readiness_is_learned_launches_nothing(rank, ws):
         before = their_calls[0]
         with theirs.no_sync():
             (wa * loss_of(theirs, xa, ya)).backward()
-        assert their_calls[0] == before, "reference check: torch DDP launches nothing inside no_sync"
+        assert their_calls[0] == before, (
+            "reference check: torch DDP launches nothing inside no_sync"
+        )
         with counting_collectives() as calls:
             with ours.no_sync():
                 (wa * loss_of(ours, xa, ya)).backward()
-        assert not calls, f"micro-batch {i} under no_sync launched collectives after readiness was learned: {calls}"
+        assert not calls, (
+            f"micro-batch {i} under no_sync launched collectives after readiness was learned: {calls}"
+        )
     (w * loss_of(theirs, x, y)).backward()
     assert their_calls[0] > 0
     with counting_collectives() as calls:
         (w * loss_of(ours, x, y)).backward()
         ours.finish_grad_sync()
     bucket_calls = [c for c in calls if not c.endswith("(blocking)")]
-    assert len(bucket_calls) == num_buckets, f"{len(bucket_calls)} collectives for {num_buckets} buckets: {calls}"
-    assert calls.count("all_reduce(blocking)") == 1, f"one agreement all-reduce per reduction: {calls}"
+    assert len(bucket_calls) == num_buckets, (
+        f"{len(bucket_calls)} collectives for {num_buckets} buckets: {calls}"
+    )
+    assert calls.count("all_reduce(blocking)") == 1, (
+        f"one agreement all-reduce per reduction: {calls}"
+    )
     for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
         assert_close(p.main_grad, q.grad, f"step 1 {n}")
     ours.remove_hooks()
@@ -371,14 +408,22 @@ def case_check_finite_names_the_param_for_nan_and_both_infinities(rank, ws):
     """Regression (issue 16): check_finite was tested with NaN only and a match on
     "non-finite", so a check that misses +-inf, or a message without the param, passed. Each
     run poisons one element of one param's gradient (the same on every rank)."""
-    for value, name in [(math.inf, "fc2.bias"), (-math.inf, "mix.weight"), (math.nan, "emb.weight")]:
+    for value, name in [
+        (math.inf, "fc2.bias"),
+        (-math.inf, "mix.weight"),
+        (math.nan, "emb.weight"),
+    ]:
         ours = DataParallel(make_net(), config=DDPConfig(check_finite=True, bucket_numel=200))
         param = dict(ours.module.named_parameters())[name]
-        poison = param.register_hook(lambda g, v=value: g.flatten().index_fill(0, torch.tensor([3]), v).view_as(g))
+        poison = param.register_hook(
+            lambda g, v=value: g.flatten().index_fill(0, torch.tensor([3]), v).view_as(g)
+        )
         with pytest.raises(FloatingPointError, match=re.escape(repr(name))) as error:
             loss_of(ours, *batch(0, rank, ws)).backward()
             ours.finish_grad_sync()
-        assert "non-finite" in str(error.value) and f"rank {rank}" in str(error.value), str(error.value)
+        assert "non-finite" in str(error.value) and f"rank {rank}" in str(error.value), str(
+            error.value
+        )
         poison.remove()
         ours.remove_hooks()
     clean = DataParallel(make_net(), config=DDPConfig(check_finite=True, bucket_numel=200))
@@ -404,9 +449,15 @@ def case_wrap_broadcasts_rank0_params_and_buffers(rank, ws):
     wraps = {
         "torch DDP (reference)": lambda net: nn.parallel.DistributedDataParallel(net).module,
         "DataParallel": lambda net: DataParallel(net, config=DDPConfig(bucket_numel=200)).module,
-        "sgd none": lambda net: aligndp.parallelize(net, optimizer="sgd", bucket_numel=200)[0].module,
-        "adamw zero1": lambda net: aligndp.parallelize(net, sharding="zero1", bucket_numel=200)[0].module,
-        "muon zero1": lambda net: aligndp.parallelize(net, optimizer="muon", sharding="zero1")[0].module,
+        "sgd none": lambda net: (
+            aligndp.parallelize(net, optimizer="sgd", bucket_numel=200)[0].module
+        ),
+        "adamw zero1": lambda net: (
+            aligndp.parallelize(net, sharding="zero1", bucket_numel=200)[0].module
+        ),
+        "muon zero1": lambda net: (
+            aligndp.parallelize(net, optimizer="muon", sharding="zero1")[0].module
+        ),
     }
     for what, wrap in wraps.items():
         torch.manual_seed(100 + rank)
@@ -416,17 +467,29 @@ def case_wrap_broadcasts_rank0_params_and_buffers(rank, ws):
         assert ours.keys() == theirs.keys()
         differ = [n for n, t in ours.items() if not torch.equal(t.detach(), theirs[n])]
         every: list[list[str]] = [None] * ws  # type: ignore[list-item]
-        dist.all_gather_object(every, differ)  # fail on every rank at once: no rank left in a collective
+        dist.all_gather_object(
+            every, differ
+        )  # fail on every rank at once: no rank left in a collective
         assert not any(every), f"{what}: not rank 0's values after wrapping, per rank: {every}"
 
 
-def run_sgd_against_one_process(rank, ws, *, sharding: str, max_grad_norm: float | None, steps: int = 4):
+def run_sgd_against_one_process(
+    rank, ws, *, sharding: str, max_grad_norm: float | None, steps: int = 4
+):
     """parallelize(optimizer="sgd") with several buckets against one-process torch SGD on the
     global batch: plain SGD moves params by lr * grad, so a gradient of the wrong scale (sum
     instead of mean, a bucket not reduced) shows in the params. Returns the reference norms."""
-    model, opt = aligndp.parallelize(make_net(), optimizer="sgd", sharding=sharding, lr=0.5, bucket_numel=200,
-                                     max_grad_norm=max_grad_norm)
-    assert sum(len(layout.buckets) for layout in model.layouts) > 2, "the test needs several buckets"
+    model, opt = aligndp.parallelize(
+        make_net(),
+        optimizer="sgd",
+        sharding=sharding,
+        lr=0.5,
+        bucket_numel=200,
+        max_grad_norm=max_grad_norm,
+    )
+    assert sum(len(layout.buckets) for layout in model.layouts) > 2, (
+        "the test needs several buckets"
+    )
     ref = make_net()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     norms = []
@@ -435,11 +498,15 @@ def run_sgd_against_one_process(rank, ws, *, sharding: str, max_grad_norm: float
         opt.step()
         opt.zero_grad()
         loss_of(ref, *batch(step)).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm or math.inf)))
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm or math.inf))
+        )
         ref_opt.step()
         ref_opt.zero_grad()
         for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
-            assert_close(p, q, f"{sharding} clip {max_grad_norm} step {step} {n}", rtol=1e-5, atol=1e-6)
+            assert_close(
+                p, q, f"{sharding} clip {max_grad_norm} step {step} {n}", rtol=1e-5, atol=1e-6
+            )
     return norms
 
 

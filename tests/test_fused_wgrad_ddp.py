@@ -1,6 +1,6 @@
 """Fused MXFP8 wgrad inside DataParallel (gloo) against one process on the global batch.
 
-[Note: fused wgrad] in aligndp/fused.py: an MXLinear bound to the DataParallel sink
+[Note: fused wgrad] in aligndp/plan/fused.py: an MXLinear bound to the DataParallel sink
 accumulates its weight gradient straight into ``main_grad`` and only marks the param ready.
 
 Reference: the same MX model (reference backend, plain autograd, no DataParallel) in one
@@ -16,20 +16,25 @@ and the reference uses that same per-token weight and divides its grads by the w
 afterwards: each quantised operand is then identical on both sides (MX scales are relative,
 but a factor such as 1/3 would change the roundings) and only fp32 summation order differs.
 """
+
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aligndp.ddp import DataParallel, DDPConfig
-from aligndp.fused import fused_wgrad_modules
-from aligndp.layout import Mode
-from aligndp.mx import MXLinear, convert_to_mxfp8
+from aligndp.lowp import MXLinear, convert_to_mxfp8
+from aligndp.plan.fused import fused_wgrad_modules
+from aligndp.plan.layout import Mode
+from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
 
-TOKENS, DIM, HIDDEN, CLASSES = 64, 64, 96, 10  # TOKENS per rank: 2 micro-batches of 32 (one MX block)
+TOKENS, DIM, HIDDEN, CLASSES = (
+    64,
+    64,
+    96,
+    10,
+)  # TOKENS per rank: 2 micro-batches of 32 (one MX block)
 MICRO = 32
 STEPS = 3  # step 0 learns readiness; steps 1 and 2 launch every bucket during backward
 
@@ -38,8 +43,12 @@ class MLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM, bias=False)  # alone in its bucket: see check_against_one_process
-        self.mix = nn.Linear(DIM, DIM, bias=False)  # used twice per forward: two fused wgrads, two mark_ready
+        self.fc2 = nn.Linear(
+            HIDDEN, DIM, bias=False
+        )  # alone in its bucket: see check_against_one_process
+        self.mix = nn.Linear(
+            DIM, DIM, bias=False
+        )  # used twice per forward: two fused wgrads, two mark_ready
         self.head = nn.Linear(DIM, CLASSES)  # 10 outputs: not an MX shape, stays nn.Linear
 
     def forward(self, x):
@@ -57,7 +66,9 @@ def make_mx_model() -> nn.Module:
 
 def global_batch(step: int, ws: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(ws * TOKENS, DIM, generator=g), torch.randint(0, CLASSES, (ws * TOKENS,), generator=g)
+    return torch.randn(ws * TOKENS, DIM, generator=g), torch.randint(
+        0, CLASSES, (ws * TOKENS,), generator=g
+    )
 
 
 def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -79,27 +90,44 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
     # their wgrads land; mix.weight must be counted twice (two uses) before its bucket launches.
     # Layer-wise mode, as parallelize(optimizer="muon") uses it: the MX matrices layer-wise
     # (one bucket: whole params per shard), the rest sharded.
-    modes = {n: mode if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight", "mix.weight") else Mode.SHARDED
-             for n, _ in make_mx_model().named_parameters()}
+    modes = {
+        n: mode
+        if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight", "mix.weight")
+        else Mode.SHARDED
+        for n, _ in make_mx_model().named_parameters()
+    }
     # start_alignment=1: only the MX layers' declared requirement can give 64-element starts
-    model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=500, overlap=True, start_alignment=1),
-                         modes=modes)
+    model = DataParallel(
+        make_mx_model(),
+        config=DDPConfig(bucket_numel=500, overlap=True, start_alignment=1),
+        modes=modes,
+    )
     weights = [m.weight for _, m in fused_wgrad_modules(model.module)]
     assert len(weights) == 3
     autograd_wgrads = []  # a fused weight gets no autograd gradient: its wgrad goes to main_grad
-    hooks = [w.register_hook(lambda g, i=i: autograd_wgrads.append(i) if g is not None else None)
-             for i, w in enumerate(weights)]
+    hooks = [
+        w.register_hook(lambda g, i=i: autograd_wgrads.append(i) if g is not None else None)
+        for i, w in enumerate(weights)
+    ]
     num_buckets = len(model.bucket_refs)
-    buckets = [[s.name for s in buf.slots if s.bucket == b] for buf in model.flat_buffers
-               for b in range(len(buf.layout.buckets))]
+    buckets = [
+        [s.name for s in buf.slots if s.bucket == b]
+        for buf in model.flat_buffers
+        for b in range(len(buf.layout.buckets))
+    ]
     if mode is Mode.LAYERWISE:
-        assert num_buckets >= 2 and {layout.mode for layout in model.layouts} == {Mode.LAYERWISE, Mode.SHARDED}
+        assert num_buckets >= 2 and {layout.mode for layout in model.layouts} == {
+            Mode.LAYERWISE,
+            Mode.SHARDED,
+        }
     else:
         assert ["fc2.weight"] in buckets and ["mix.weight"] in buckets and num_buckets == 4, buckets
     for buf in model.flat_buffers:
         for slot, view in zip(buf.slots, buf.main_grads):
             if slot.name in ("fc1.weight", "fc2.weight", "mix.weight"):
-                assert view.data_ptr() % (64 * view.element_size()) == 0, "MXFP8 wgrad needs 64-element starts"
+                assert view.data_ptr() % (64 * view.element_size()) == 0, (
+                    "MXFP8 wgrad needs 64-element starts"
+                )
     for step in range(STEPS):
         model.zero_grad_buffer()
         x, y = global_batch(step, ws)
@@ -112,17 +140,22 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
         model.finish_grad_sync()
         if step > 0:
             assert launched_in_backward == num_buckets, (
-                f"step {step}: {launched_in_backward} of {num_buckets} buckets launched during backward")
+                f"step {step}: {launched_in_backward} of {num_buckets} buckets launched during backward"
+            )
         ref = one_process_grads(step, ws)
         for buf in model.flat_buffers:
             expected = torch.zeros_like(buf.grad_data)
             for slot in buf.slots:
-                expected[slot.start:slot.end] = ref[slot.name].flatten()
+                expected[slot.start : slot.end] = ref[slot.name].flatten()
             for b in range(len(buf.layout.buckets)):
                 lo, hi = buf.layout.shard_range(b, rank)  # the part this rank holds reduced
                 torch.testing.assert_close(
-                    buf.grad_data[lo:hi], expected[lo:hi], rtol=1e-5, atol=1e-7,
-                    msg=lambda m: f"{mode.value} step {step} bucket {b}: {m}")
+                    buf.grad_data[lo:hi],
+                    expected[lo:hi],
+                    rtol=1e-5,
+                    atol=1e-7,
+                    msg=lambda m: f"{mode.value} step {step} bucket {b}: {m}",
+                )
     for h in hooks:
         h.remove()
     model.remove_hooks()

@@ -1,6 +1,7 @@
 """Guards for breaks that once passed the whole suite, on paths whose own test files live
 elsewhere (issue 16): ``aligndp train`` must exit non-zero when a rank it launched dies, and
 ``aligndp layout --png`` must draw what the plan says (not just write a PNG header)."""
+
 import contextlib
 import io
 import json
@@ -12,7 +13,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from aligndp import cli
+from aligndp.app import cli
 
 
 def crash_on_rank1(config):
@@ -32,7 +33,7 @@ def test_train_exits_non_zero_when_a_launched_rank_crashes(how, tmp_path, capsys
     """Regression (issue 16): `aligndp train` exiting 0 after a launched rank crashed passed
     every test. A crash is exit status 1 and one line naming the rank on stderr."""
     monkeypatch.setenv("ALIGNDP_TEST_CRASH", how)
-    with mock.patch("aligndp.train_loop.launched_worker", crash_on_rank1):
+    with mock.patch("aligndp.app.train_loop.launched_worker", crash_on_rank1):
         start = time.monotonic()
         code = cli.main(["train", "--steps", "2", "--nproc", "2", "--out", str(tmp_path / "run")])
     assert code == 1, code

@@ -4,6 +4,7 @@ Reference: the same model (same seed) trained by plain torch AdamW in this one p
 whole global batch. The head is tied to the token embedding, so this also checks that a param
 used twice per step is reduced once with both contributions.
 """
+
 import pathlib
 import sys
 
@@ -15,7 +16,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import hf_gpt2  # noqa: E402  (examples/ is not a package; spawned ranks find it through sys.path)
 
-from aligndp.data import BatchSpec, TokenData  # noqa: E402
+from aligndp.app.data import BatchSpec, TokenData  # noqa: E402
 
 STEPS = 6
 

@@ -24,6 +24,7 @@ skips it, no weight decay), which is checked against its initial value.
 
 All cases share one gloo process group of 2 ranks (tests/_dist.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -75,26 +76,56 @@ class Recipe:
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=97, n_positions=16, n_embd=36, n_layer=2, n_head=3, n_inner=60,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, **EAGER)
+    config = GPT2Config(
+        vocab_size=97,
+        n_positions=16,
+        n_embd=36,
+        n_layer=2,
+        n_head=3,
+        n_inner=60,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        **EAGER,
+    )
     return GPT2LMHeadModel(config)
 
 
 def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=101, hidden_size=40, intermediate_size=68, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                         attention_dropout=0.0, tie_word_embeddings=False, **EAGER)
+    config = LlamaConfig(
+        vocab_size=101,
+        hidden_size=40,
+        intermediate_size=68,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **EAGER,
+    )
     return LlamaForCausalLM(config)
 
 
 def _bert_config(**extra):
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=99, hidden_size=36, num_hidden_layers=2, num_attention_heads=3,
-                      intermediate_size=60, max_position_embeddings=16, type_vocab_size=2,
-                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **EAGER, **extra)
+    return BertConfig(
+        vocab_size=99,
+        hidden_size=36,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=60,
+        max_position_embeddings=16,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **EAGER,
+        **extra,
+    )
 
 
 def _bert_mlm() -> nn.Module:
@@ -112,9 +143,19 @@ def _bert_with_pooler() -> nn.Module:
 def _vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=36, num_hidden_layers=2,
-                       num_attention_heads=3, intermediate_size=60, num_labels=5,
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **EAGER)
+    config = ViTConfig(
+        image_size=16,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=36,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=60,
+        num_labels=5,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **EAGER,
+    )
     return ViTForImageClassification(config)
 
 
@@ -132,15 +173,19 @@ def _mlm_batch(gen: torch.Generator, rows: int, *, vocab: int = 99, mask_id: int
     masked = torch.rand(rows, SEQ_LEN, generator=gen) < 0.3
     masked[:, 1] = True  # every row has a label, so no rank's loss is a mean over nothing
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
-    return {"input_ids": torch.where(masked, torch.full_like(ids, mask_id), ids),
-            "token_type_ids": torch.randint(0, 2, (rows, SEQ_LEN), generator=gen),
-            "attention_mask": torch.ones(rows, SEQ_LEN, dtype=torch.long),
-            "labels": labels}
+    return {
+        "input_ids": torch.where(masked, torch.full_like(ids, mask_id), ids),
+        "token_type_ids": torch.randint(0, 2, (rows, SEQ_LEN), generator=gen),
+        "attention_mask": torch.ones(rows, SEQ_LEN, dtype=torch.long),
+        "labels": labels,
+    }
 
 
 def _image_batch(gen: torch.Generator, rows: int) -> dict:
-    return {"pixel_values": torch.randn(rows, 3, 16, 16, generator=gen),
-            "labels": torch.randint(0, 5, (rows,), generator=gen)}
+    return {
+        "pixel_values": torch.randn(rows, 3, 16, 16, generator=gen),
+        "labels": torch.randint(0, 5, (rows,), generator=gen),
+    }
 
 
 def _hidden_state_loss(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -162,7 +207,7 @@ def gpt2_key_bias(name: str, param: torch.Tensor) -> torch.Tensor | None:
         return None
     mask = torch.zeros_like(param, dtype=torch.bool)
     width = param.numel() // 3
-    mask[width:2 * width] = True
+    mask[width : 2 * width] = True
     return mask
 
 
@@ -171,8 +216,12 @@ RECIPES: dict[str, Recipe] = {
     "llama": Recipe(_llama, _lm_batch(101), scheduler="linear", warmup=1),
     "bert_mlm": Recipe(_bert_mlm, _mlm_batch, scheduler="cosine"),
     "vit": Recipe(_vit, _image_batch, scheduler="linear"),
-    "bert_unused_pooler": Recipe(_bert_with_pooler, _mlm_batch, loss=_hidden_state_loss,
-                                 unused=("pooler.dense.weight", "pooler.dense.bias")),
+    "bert_unused_pooler": Recipe(
+        _bert_with_pooler,
+        _mlm_batch,
+        loss=_hidden_state_loss,
+        unused=("pooler.dense.weight", "pooler.dense.bias"),
+    ),
 }
 
 
@@ -190,8 +239,10 @@ def hf_param_groups(model: nn.Module) -> list[dict]:
     """``Trainer.create_optimizer``'s two groups: weight decay on matrices, none on biases and norms."""
     decay = decay_names(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe):
@@ -200,7 +251,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe):
         get_linear_schedule_with_warmup,
     )
 
-    make = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}[recipe.scheduler]
+    make = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}[
+        recipe.scheduler
+    ]
     return make(optimizer, num_warmup_steps=recipe.warmup, num_training_steps=STEPS + 1)
 
 
@@ -215,17 +268,27 @@ class Trace:
     """Per step: names of params whose ``p.grad`` is None after ``backward()``."""
 
 
-def train(model: nn.Module, optimizer, scheduler, recipe: Recipe, *, rank: int, world_size: int,
-          clip: Callable[[], torch.Tensor]) -> Trace:
+def train(
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    recipe: Recipe,
+    *,
+    rank: int,
+    world_size: int,
+    clip: Callable[[], torch.Tensor],
+) -> Trace:
     """3 steps: this rank's rows of each global batch, backward, clip, step, scheduler, zero_grad."""
     trace = Trace()
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(1000 + step)
         batch = recipe.batch(gen, ROWS_PER_RANK * world_size)
-        mine = {k: v[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK] for k, v in batch.items()}
+        mine = {k: v[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK] for k, v in batch.items()}
         loss = recipe.loss(model, mine)
         loss.backward()
-        trace.no_grad.append(sorted(n for n, p in model.module.named_parameters() if p.grad is None))
+        trace.no_grad.append(
+            sorted(n for n, p in model.module.named_parameters() if p.grad is None)
+        )
         trace.grad_norms.append(float(clip()))
         trace.lrs.append([g["lr"] for g in optimizer.param_groups])
         optimizer.step()
@@ -242,16 +305,35 @@ def _torch_clip(model: nn.Module) -> Callable[[], torch.Tensor]:
 def run_torch_ddp(hf: nn.Module, recipe: Recipe, *, rank: int, world_size: int) -> Trace:
     ddp = nn.parallel.DistributedDataParallel(hf, find_unused_parameters=bool(recipe.unused))
     optimizer = torch.optim.AdamW(hf_param_groups(hf), lr=LR)
-    return train(ddp, optimizer, make_scheduler(optimizer, recipe), recipe, rank=rank, world_size=world_size,
-                 clip=_torch_clip(ddp))
+    return train(
+        ddp,
+        optimizer,
+        make_scheduler(optimizer, recipe),
+        recipe,
+        rank=rank,
+        world_size=world_size,
+        clip=_torch_clip(ddp),
+    )
 
 
-def run_aligndp(hf: nn.Module, recipe: Recipe, *, rank: int, world_size: int, sharding: str = "none") -> Trace:
-    model, optimizer = aligndp.parallelize(hf, optimizer="adamw", sharding=sharding, lr=LR,
-                                           param_groups=hf_param_groups(hf))
-    clip = _torch_clip(model) if sharding == "none" else (lambda: optimizer.clip_grad_norm_(MAX_NORM))
-    return train(model, optimizer, make_scheduler(optimizer, recipe), recipe, rank=rank, world_size=world_size,
-                 clip=clip)
+def run_aligndp(
+    hf: nn.Module, recipe: Recipe, *, rank: int, world_size: int, sharding: str = "none"
+) -> Trace:
+    model, optimizer = aligndp.parallelize(
+        hf, optimizer="adamw", sharding=sharding, lr=LR, param_groups=hf_param_groups(hf)
+    )
+    clip = (
+        _torch_clip(model) if sharding == "none" else (lambda: optimizer.clip_grad_norm_(MAX_NORM))
+    )
+    return train(
+        model,
+        optimizer,
+        make_scheduler(optimizer, recipe),
+        recipe,
+        rank=rank,
+        world_size=world_size,
+        clip=clip,
+    )
 
 
 # ---- comparison ----
@@ -271,27 +353,46 @@ def tied_names(model: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
-def check_match(name: str, ours: nn.Module, theirs: nn.Module, initial: nn.Module, got: Trace, want: Trace,
-                recipe: Recipe) -> None:
+def check_match(
+    name: str,
+    ours: nn.Module,
+    theirs: nn.Module,
+    initial: nn.Module,
+    got: Trace,
+    want: Trace,
+    recipe: Recipe,
+) -> None:
     """Losses, grad norms, lrs, unused params per step and every param after the last step, on this rank."""
     assert got.losses == pytest.approx(want.losses, rel=REL_TOL, abs=0), f"{name}: losses differ"
-    assert got.grad_norms == pytest.approx(want.grad_norms, rel=REL_TOL, abs=0), f"{name}: grad norms differ"
+    assert got.grad_norms == pytest.approx(want.grad_norms, rel=REL_TOL, abs=0), (
+        f"{name}: grad norms differ"
+    )
     assert got.lrs == want.lrs, f"{name}: the scheduler's lrs differ"
     assert got.no_grad == want.no_grad, f"{name}: params with p.grad None after backward differ"
-    assert want.no_grad == [sorted(recipe.unused)] * STEPS, f"{name}: torch saw unused params {want.no_grad}"
-    assert any(n > MAX_NORM for n in want.grad_norms), f"{name}: clipping never engaged ({want.grad_norms})"
+    assert want.no_grad == [sorted(recipe.unused)] * STEPS, (
+        f"{name}: torch saw unused params {want.no_grad}"
+    )
+    assert any(n > MAX_NORM for n in want.grad_norms), (
+        f"{name}: clipping never engaged ({want.grad_norms})"
+    )
     for a, b in tied_names(initial):
-        assert ours.get_parameter(a) is ours.get_parameter(b), f"{name}: {a} and {b} are no longer tied"
+        assert ours.get_parameter(a) is ours.get_parameter(b), (
+            f"{name}: {a} and {b} are no longer tied"
+        )
     theirs_by_name = dict(theirs.named_parameters())
     initial_by_name = dict(initial.named_parameters())
     ours_by_name = dict(ours.named_parameters())
-    assert set(ours_by_name) == set(theirs_by_name), f"{name}: the wrapped module's params are not torch's"
+    assert set(ours_by_name) == set(theirs_by_name), (
+        f"{name}: the wrapped module's params are not torch's"
+    )
     errors = {}
     for n, p in ours_by_name.items():
         a, b, start = p.detach(), theirs_by_name[n].detach(), initial_by_name[n].detach()
         if n in recipe.unused:
             assert torch.equal(b, start), f"{name}: torch DDP moved {n!r}, a param no rank used"
-            assert torch.equal(a, start), f"{name}: aligndp moved {n!r}, a param no rank used (torch leaves it)"
+            assert torch.equal(a, start), (
+                f"{name}: aligndp moved {n!r}, a param no rank used (torch leaves it)"
+            )
             continue
         assert not torch.equal(b, start), f"{name}: param {n!r} did not train"
         noise = recipe.noise_only(n, b) if recipe.noise_only else None
@@ -299,13 +400,16 @@ def check_match(name: str, ours: nn.Module, theirs: nn.Module, initial: nn.Modul
             bound = NOISE_MOVE * LR * STEPS
             for label, t in (("aligndp", a), ("torch DDP", b)):
                 moved = float((t - start)[noise].abs().max())
-                assert moved <= bound, f"{name}: {label} moved the zero-gradient part of {n!r} by {moved} > {bound}"
+                assert moved <= bound, (
+                    f"{name}: {label} moved the zero-gradient part of {n!r} by {moved} > {bound}"
+                )
             a, b = a[~noise], b[~noise]
         errors[n] = relative_error(a, b)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= REL_TOL, (
         f"{name}: param {worst!r} is {errors[worst]:.3g} relative from torch DDP after {STEPS} steps "
-        f"(tolerance {REL_TOL}); over {REL_TOL}: {sorted(k for k, e in errors.items() if e > REL_TOL)[:8]}")
+        f"(tolerance {REL_TOL}); over {REL_TOL}: {sorted(k for k, e in errors.items() if e > REL_TOL)[:8]}"
+    )
 
 
 def compare_with_torch_ddp(key: str, rank: int, world_size: int, *, sharding: str = "none") -> None:
@@ -373,8 +477,9 @@ def gpt2_zero1_refuses_torch_clip(rank, world_size):
     clipping nothing, and names ``opt.clip_grad_norm_``."""
     torch.manual_seed(0)
     hf = RECIPES["gpt2"].build()
-    model, _ = aligndp.parallelize(hf, optimizer="adamw", sharding="zero1", lr=LR,
-                                   param_groups=hf_param_groups(hf))
+    model, _ = aligndp.parallelize(
+        hf, optimizer="adamw", sharding="zero1", lr=LR, param_groups=hf_param_groups(hf)
+    )
     ids = RECIPES["gpt2"].batch(torch.Generator().manual_seed(0), ROWS_PER_RANK)["input_ids"]
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(TypeError, match="clip_grad_norm_"):
@@ -392,8 +497,14 @@ def test_decay_groups_are_hf_trainers(key):
 
     torch.manual_seed(0)
     model = RECIPES[key].build()
-    decay, no_decay = ({n for n, p in model.named_parameters() if any(p is q for q in g["params"])}
-                       for g in hf_param_groups(model))
-    assert decay == set(Trainer.get_decay_parameter_names(None, model)) & set(dict(model.named_parameters()))
-    assert no_decay and all(n.endswith("bias") or model.get_parameter(n).dim() == 1 for n in no_decay)
+    decay, no_decay = (
+        {n for n, p in model.named_parameters() if any(p is q for q in g["params"])}
+        for g in hf_param_groups(model)
+    )
+    assert decay == set(Trainer.get_decay_parameter_names(None, model)) & set(
+        dict(model.named_parameters())
+    )
+    assert no_decay and all(
+        n.endswith("bias") or model.get_parameter(n).dim() == 1 for n in no_decay
+    )
     assert all(model.get_parameter(n).dim() >= 2 for n in decay)

@@ -5,6 +5,7 @@ in DESIGN.md: reverse registration order, 64-element starts, bucket ends rounded
 start alignment (replicated) or to ``dp_size * 128`` (sharded), layerwise shards of
 ``round_up(largest rank's aligned elements, 128)``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from aligndp.layout import Mode, ParamSpec, Requirement, plan_buffers, plan_layout, validate
-from aligndp.recipes import wgrad_requirements
+from aligndp.lowp.recipes import wgrad_requirements
+from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_buffers, plan_layout, validate
 
 MODES = [m.value for m in Mode]
 
@@ -46,7 +47,10 @@ def test_three_matrices_split_into_two_buckets():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dp_size", [1, 3, 8])
 def test_sizes_not_multiple_of_64_start_aligned_in_every_mode(mode, dp_size):
-    specs = [ParamSpec(f"p{i}", shape) for i, shape in enumerate([(7, 9), (65,), (1,), (33, 3), (127,), (5, 5, 5)])]
+    specs = [
+        ParamSpec(f"p{i}", shape)
+        for i, shape in enumerate([(7, 9), (65,), (1,), (33, 3), (127,), (5, 5, 5)])
+    ]
     layout = plan_layout(specs, dp_size=dp_size, mode=mode, bucket_numel=300)
     assert all(p.start % 64 == 0 for p in layout.params)
 
@@ -67,10 +71,20 @@ def test_layerwise_balances_two_big_and_two_small_matrices():
     # the rank with least cost, fewest elements, lowest id: B -> rank 0, A -> rank 1, D -> rank 0
     # (all tied), C -> rank 1. Shards are round_up(4096 + 1024, 128) = 5120; within a shard params
     # keep layout order: rank 0 holds D then B, rank 1 holds C then A. No padding at all.
-    specs = [ParamSpec("A", (64, 64)), ParamSpec("B", (64, 64)), ParamSpec("C", (32, 32)), ParamSpec("D", (32, 32))]
+    specs = [
+        ParamSpec("A", (64, 64)),
+        ParamSpec("B", (64, 64)),
+        ParamSpec("C", (32, 32)),
+        ParamSpec("D", (32, 32)),
+    ]
     layout = plan_layout(specs, dp_size=2, mode="layerwise")
     assert {p.name: p.owner for p in layout.params} == {"A": 1, "B": 0, "C": 1, "D": 0}
-    assert spans(layout) == {"D": (0, 1024), "B": (1024, 5120), "C": (5120, 6144), "A": (6144, 10_240)}
+    assert spans(layout) == {
+        "D": (0, 1024),
+        "B": (1024, 5120),
+        "C": (5120, 6144),
+        "A": (6144, 10_240),
+    }
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 10_240)]
     assert layout.padding_numel == 0
     assert layout.rank_costs() == [64.0**3 + 32.0**3] * 2 and layout.imbalance == 1.0
@@ -78,20 +92,30 @@ def test_layerwise_balances_two_big_and_two_small_matrices():
 
 def test_layerwise_one_param_per_rank_pads_to_the_largest():
     # dp 2, a (100,) and b (300,): each rank owns one; shards round_up(300 -> 320 aligned, 128) = 384.
-    layout = plan_layout([ParamSpec("a", (100,)), ParamSpec("b", (300,))], dp_size=2, mode="layerwise")
+    layout = plan_layout(
+        [ParamSpec("a", (100,)), ParamSpec("b", (300,))], dp_size=2, mode="layerwise"
+    )
     assert spans(layout) == {"b": (0, 300), "a": (384, 484)}
     assert {p.name: p.owner for p in layout.params} == {"b": 0, "a": 1}
     assert layout.padded_numel == 768 and layout.padding_numel == 368
 
 
 def test_duplicate_name_is_refused_with_the_name():
-    specs = [ParamSpec("tok.weight", (10, 4)), ParamSpec("ln.weight", (4,)), ParamSpec("tok.weight", (10, 4))]
+    specs = [
+        ParamSpec("tok.weight", (10, 4)),
+        ParamSpec("ln.weight", (4,)),
+        ParamSpec("tok.weight", (10, 4)),
+    ]
     with pytest.raises(ValueError, match=r"\['tok.weight'\].*once"):
         plan_layout(specs)
 
 
 def test_plan_buffers_groups_by_dtype_in_registration_order():
-    specs = [ParamSpec("a", (3,), torch.bfloat16), ParamSpec("b", (5,)), ParamSpec("c", (7,), torch.bfloat16)]
+    specs = [
+        ParamSpec("a", (3,), torch.bfloat16),
+        ParamSpec("b", (5,)),
+        ParamSpec("c", (7,), torch.bfloat16),
+    ]
     bf16, fp32 = plan_buffers(specs, grad_dtype=torch.float32)
     assert [p.name for p in bf16.params] == ["c", "a"] and [p.name for p in fp32.params] == ["b"]
     assert bf16.grad_dtype == fp32.grad_dtype == torch.float32
@@ -99,7 +123,18 @@ def test_plan_buffers_groups_by_dtype_in_registration_order():
 
 # --- the bug this project exists for -------------------------------------------------------
 
-ODD_SHAPES = [(40, 120), (120,), (40, 40), (40,), (160, 40), (160,), (40, 160), (97, 40), (32, 40), (40,)]
+ODD_SHAPES = [
+    (40, 120),
+    (120,),
+    (40, 40),
+    (40,),
+    (160, 40),
+    (160,),
+    (40, 160),
+    (97, 40),
+    (32, 40),
+    (40,),
+]
 
 
 @pytest.mark.parametrize(("recipe", "start_alignment"), [("none", 64), ("mxfp8", 64), ("mxfp8", 1)])
@@ -117,8 +152,14 @@ def test_regression_layerwise_main_grad_views_start_64_aligned(recipe, start_ali
     specs = [ParamSpec(f"blocks.{i // 4}.w{i}", shape, dtype) for i, shape in enumerate(ODD_SHAPES)]
     assert any(ParamSpec("x", s).numel % 64 for s in ODD_SHAPES)
     for bucket_numel in (None, 5000):
-        layout = plan_layout(specs, dp_size=4, mode="layerwise", bucket_numel=bucket_numel,
-                             requirements=wgrad_requirements(recipe), start_alignment=start_alignment)
+        layout = plan_layout(
+            specs,
+            dp_size=4,
+            mode="layerwise",
+            bucket_numel=bucket_numel,
+            requirements=wgrad_requirements(recipe),
+            start_alignment=start_alignment,
+        )
         assert layout.start_alignment == 64
         assert [p.name for p in layout.params if p.start % 64] == []
         assert all(p.start * torch.bfloat16.itemsize % 128 == 0 for p in layout.params)
@@ -133,7 +174,9 @@ def test_lowered_alignment_is_honoured_without_a_consumer():
 def test_fp8_requirement_counts_bytes_of_the_wider_dtype():
     # FP8 wgrad asks 16 B: 8 elements of bf16 params, 4 of fp32 grads -> lcm 8; b [0, 103), a at 104.
     specs = [ParamSpec("a", (97,), torch.bfloat16), ParamSpec("b", (103,), torch.bfloat16)]
-    layout = plan_layout(specs, start_alignment=1, requirements=wgrad_requirements("fp8"), grad_dtype=torch.float32)
+    layout = plan_layout(
+        specs, start_alignment=1, requirements=wgrad_requirements("fp8"), grad_dtype=torch.float32
+    )
     assert layout.start_alignment == 8 and spans(layout) == {"b": (0, 103), "a": (104, 201)}
 
 
@@ -141,19 +184,25 @@ def test_fp8_requirement_counts_bytes_of_the_wider_dtype():
 
 
 def _with_param(layout, name, **changes):
-    params = tuple(dataclasses.replace(p, **changes) if p.name == name else p for p in layout.params)
+    params = tuple(
+        dataclasses.replace(p, **changes) if p.name == name else p for p in layout.params
+    )
     return dataclasses.replace(layout, params=params)
 
 
 def test_validate_names_a_param_shifted_off_alignment():
     layout = plan_layout([ParamSpec("a", (97,)), ParamSpec("b", (103,))])
     broken = _with_param(layout, "a", start=138, end=235)  # a was [128, 225)
-    with pytest.raises(ValueError, match=r"param 'a' starts at element 138 .*start % 64 = 10.*start_alignment=64"):
+    with pytest.raises(
+        ValueError, match=r"param 'a' starts at element 138 .*start % 64 = 10.*start_alignment=64"
+    ):
         validate(broken)
 
 
 def test_validate_names_overlapping_params():
-    layout = plan_layout([ParamSpec("a", (97,)), ParamSpec("b", (200,))])  # b [0, 200), a [256, 353)
+    layout = plan_layout(
+        [ParamSpec("a", (97,)), ParamSpec("b", (200,))]
+    )  # b [0, 200), a [256, 353)
     broken = _with_param(layout, "a", start=192, end=289)
     with pytest.raises(ValueError, match=r"param 'a'.*overlaps param 'b'"):
         validate(broken)
@@ -162,17 +211,23 @@ def test_validate_names_overlapping_params():
 def test_validate_names_a_param_straddling_two_shards():
     # dp 2: b (100,) rank 0 [0, 100), a (100,) rank 1 [128, 228). Widen the bucket to 512 (shards
     # [0, 256), [256, 512)), keep a whole in shard 1 at [320, 420) and move b to [192, 292).
-    layout = plan_layout([ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="layerwise")
+    layout = plan_layout(
+        [ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="layerwise"
+    )
     assert spans(layout) == {"b": (0, 100), "a": (128, 228)}
     broken = _with_param(layout, "b", start=192, end=292)
     broken = _with_param(broken, "a", start=320, end=420)
     broken = dataclasses.replace(broken, buckets=(dataclasses.replace(broken.buckets[0], end=512),))
-    with pytest.raises(ValueError, match=r"param 'b' starts at element 192.*straddles shards 0 and 1"):
+    with pytest.raises(
+        ValueError, match=r"param 'b' starts at element 192.*straddles shards 0 and 1"
+    ):
         validate(broken)
 
 
 def test_validate_names_a_param_with_the_wrong_owner():
-    layout = plan_layout([ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="layerwise")
+    layout = plan_layout(
+        [ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="layerwise"
+    )
     with pytest.raises(ValueError, match=r"param 'a'.*lies in shard 1 but its owner is 0"):
         validate(_with_param(layout, "a", owner=0))
 
@@ -180,7 +235,9 @@ def test_validate_names_a_param_with_the_wrong_owner():
 def test_every_bucket_closes_at_bucket_numel():
     # reverse order e, d, c, b, a (100 elements each, 1-element starts): e + d = 200 >= 150 closes
     # bucket 0, c + b = 200 closes bucket 1 (the count restarts at every bucket), a is bucket 2.
-    layout = plan_layout([ParamSpec(n, (100,)) for n in "abcde"], bucket_numel=150, start_alignment=1)
+    layout = plan_layout(
+        [ParamSpec(n, (100,)) for n in "abcde"], bucket_numel=150, start_alignment=1
+    )
     assert {p.name: p.bucket for p in layout.params} == {"e": 0, "d": 0, "c": 1, "b": 1, "a": 2}
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 200), (200, 400), (400, 500)]
 
@@ -188,10 +245,14 @@ def test_every_bucket_closes_at_bucket_numel():
 def test_validate_names_a_sharded_bucket_that_does_not_split_into_equal_shards():
     # dp 2, sharded: b [0, 100), a [128, 228); the bucket is padded to a multiple of 2 x 128 = 256.
     # Cutting it to 255 elements leaves shards of unequal length.
-    layout = plan_layout([ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="sharded")
+    layout = plan_layout(
+        [ParamSpec("a", (100,)), ParamSpec("b", (100,))], dp_size=2, mode="sharded"
+    )
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 256)]
     broken = dataclasses.replace(layout, buckets=(dataclasses.replace(layout.buckets[0], end=255),))
-    with pytest.raises(ValueError, match=r"bucket 0 has 255 elements, not a multiple of dp_size 2.*equal shards"):
+    with pytest.raises(
+        ValueError, match=r"bucket 0 has 255 elements, not a multiple of dp_size 2.*equal shards"
+    ):
         validate(broken)
 
 
@@ -208,21 +269,57 @@ def test_validate_checks_requirements_given_later():
     ("call", "error", "message"),
     [
         (lambda: plan_layout([]), ValueError, r"no trainable params.*requires_grad=True"),
-        (lambda: ParamSpec("w", (4, 0)), ValueError, r"'w'.*\(4, 0\).*zero elements.*requires_grad=False"),
+        (
+            lambda: ParamSpec("w", (4, 0)),
+            ValueError,
+            r"'w'.*\(4, 0\).*zero elements.*requires_grad=False",
+        ),
         (lambda: ParamSpec("w", (4,), dtype="bf16"), TypeError, r"'w'.*torch.dtype"),
-        (lambda: plan_layout([ParamSpec("w", (4,))], start_alignment=48), ValueError, r"power of two.*48"),
-        (lambda: plan_layout([ParamSpec("w", (4,))], shard_alignment=0, mode="sharded"), ValueError,
-         r"shard_alignment.*power of two.*0"),
-        (lambda: Requirement("mine", start_elements=96), ValueError, r"'mine'.*start_elements=96.*power of two"),
-        (lambda: plan_layout([ParamSpec("w", (4,))], bucket_numel=0), ValueError, r"bucket_numel.*positive.*None.*0"),
-        (lambda: plan_layout([ParamSpec("w", (4,))], bucket_numel=-5), ValueError, r"bucket_numel.*-5"),
+        (
+            lambda: plan_layout([ParamSpec("w", (4,))], start_alignment=48),
+            ValueError,
+            r"power of two.*48",
+        ),
+        (
+            lambda: plan_layout([ParamSpec("w", (4,))], shard_alignment=0, mode="sharded"),
+            ValueError,
+            r"shard_alignment.*power of two.*0",
+        ),
+        (
+            lambda: Requirement("mine", start_elements=96),
+            ValueError,
+            r"'mine'.*start_elements=96.*power of two",
+        ),
+        (
+            lambda: plan_layout([ParamSpec("w", (4,))], bucket_numel=0),
+            ValueError,
+            r"bucket_numel.*positive.*None.*0",
+        ),
+        (
+            lambda: plan_layout([ParamSpec("w", (4,))], bucket_numel=-5),
+            ValueError,
+            r"bucket_numel.*-5",
+        ),
         (lambda: plan_layout([ParamSpec("w", (4,))], dp_size=0), ValueError, r"dp_size.*>= 1.*0"),
-        (lambda: plan_layout([ParamSpec("w", (4,))], mode="zero3"), ValueError, r"'zero3'.*replicated, sharded"),
-        (lambda: plan_layout([ParamSpec("a", (4,)), ParamSpec("b", (4,), torch.bfloat16)]), ValueError,
-         r"one param dtype.*plan_buffers"),
-        (lambda: plan_layout([ParamSpec("w", (4,))], mode="sharded",
-                             requirements=[Requirement("Muon", whole_param_per_shard=True)]), ValueError,
-         r"Muon.*whole.*mode='layerwise'"),
+        (
+            lambda: plan_layout([ParamSpec("w", (4,))], mode="zero3"),
+            ValueError,
+            r"'zero3'.*replicated, sharded",
+        ),
+        (
+            lambda: plan_layout([ParamSpec("a", (4,)), ParamSpec("b", (4,), torch.bfloat16)]),
+            ValueError,
+            r"one param dtype.*plan_buffers",
+        ),
+        (
+            lambda: plan_layout(
+                [ParamSpec("w", (4,))],
+                mode="sharded",
+                requirements=[Requirement("Muon", whole_param_per_shard=True)],
+            ),
+            ValueError,
+            r"Muon.*whole.*mode='layerwise'",
+        ),
     ],
 )
 def test_bad_input_says_what_to_do(call, error, message):
@@ -238,8 +335,11 @@ def test_unknown_wgrad_recipe_lists_the_choices():
 def test_shard_divisible_requirement_is_met_in_replicated_mode():
     # A consumer that slices replicated buckets into dp_size pieces: b [0, 103), a [128, 225); the
     # bucket rounds to lcm(64, 3) = 192 -> 384, so each of 3 slices is 128 elements.
-    layout = plan_layout([ParamSpec("a", (97,)), ParamSpec("b", (103,))], dp_size=3,
-                         requirements=[Requirement("slicer", shard_divisible=True)])
+    layout = plan_layout(
+        [ParamSpec("a", (97,)), ParamSpec("b", (103,))],
+        dp_size=3,
+        requirements=[Requirement("slicer", shard_divisible=True)],
+    )
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 384)]
 
 
@@ -255,9 +355,16 @@ def test_layerwise_buckets_close_only_where_they_pack_without_padding():
     # but the tail [2] alone would pad 2, so it merges back: [1, 1, 2] packs as rank 0 {r0} (costs
     # tie at 3, lower rank), rank 1 {r2, r1}: 2 + 2.
     specs = [ParamSpec(f"r{i}", (n,)) for i, n in enumerate([2, 1, 1, 2, 1, 3])]
-    layout = plan_layout(specs, dp_size=2, mode="layerwise", bucket_numel=1, start_alignment=1, shard_alignment=1)
+    layout = plan_layout(
+        specs, dp_size=2, mode="layerwise", bucket_numel=1, start_alignment=1, shard_alignment=1
+    )
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 6), (6, 10)]
     assert {p.name: (p.start, p.end, p.owner) for p in layout.params} == {
-        "r5": (0, 3, 0), "r4": (3, 4, 1), "r3": (4, 6, 1), "r0": (6, 8, 0), "r2": (8, 9, 1), "r1": (9, 10, 1),
+        "r5": (0, 3, 0),
+        "r4": (3, 4, 1),
+        "r3": (4, 6, 1),
+        "r0": (6, 8, 0),
+        "r2": (8, 9, 1),
+        "r1": (9, 10, 1),
     }
     assert layout.padding_numel == 0

@@ -6,6 +6,7 @@ and fp32/bf16 param and grad dtypes. The checks below are written from the rules
 planner's code: alignments as byte/element divisibility, coverage and ownership as interval
 arithmetic.
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,16 +20,23 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aligndp.layout import Mode, ParamSpec, Requirement, plan_layout, validate
+from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_layout, validate
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 # Profiles: "ci" (the default) runs 1,112 examples in each of the 9 properties, 10,008 in all,
 # in ~35 s on 2 cores; "dev" 100 each for a quick local loop
 # (ALIGNDP_HYPOTHESIS_PROFILE=dev). The profile is applied to this module's tests only.
-settings.register_profile("ci", max_examples=1_112, deadline=None, database=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=1_112,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 PROFILE = os.environ.get("ALIGNDP_HYPOTHESIS_PROFILE", "ci")
 EXAMPLES = settings(settings.get_profile(PROFILE))
 RAN: collections.Counter = collections.Counter()
@@ -62,7 +70,9 @@ def shape_lists(draw):
     one per dim keeps generation at ~0.2 ms, so the properties can run 10,000 examples."""
     count = draw(st.integers(1, 40))
     raw = draw(st.binary(min_size=4 * count, max_size=4 * count))
-    return [tuple(_size(b) for b in raw[4 * i + 1: 4 * i + 2 + raw[4 * i] % 3]) for i in range(count)]
+    return [
+        tuple(_size(b) for b in raw[4 * i + 1 : 4 * i + 2 + raw[4 * i] % 3]) for i in range(count)
+    ]
 
 
 @st.composite
@@ -70,7 +80,9 @@ def requirements(draw):
     kind = draw(_KINDS)
     elements = 2 ** draw(_POW8) if kind != "bytes" else 1
     nbytes = 2 ** draw(_POW10) if kind != "elements" else 1
-    return Requirement(f"consumer {elements} el / {nbytes} B", start_elements=elements, start_bytes=nbytes)
+    return Requirement(
+        f"consumer {elements} el / {nbytes} B", start_elements=elements, start_bytes=nbytes
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +111,17 @@ _BUCKET_FRACTION = st.integers(1, 1_000_000)
 @st.composite
 def plans(draw, modes=tuple(Mode)):
     param_dtype = draw(_DTYPES)
-    specs = tuple(ParamSpec(f"layer{i}.w", shape, param_dtype) for i, shape in enumerate(draw(_SHAPE_LISTS)))
+    specs = tuple(
+        ParamSpec(f"layer{i}.w", shape, param_dtype) for i, shape in enumerate(draw(_SHAPE_LISTS))
+    )
     total = sum(s.numel for s in specs)
     # bucket_numel: None, or 1 .. total * 1.2 (a fraction of the largest, 1 in the shrunk case)
     largest = max(1, total + total // 5)
-    bucket_numel = None if draw(_NO_BUCKET_LIMIT) else 1 + (largest - 1) * (draw(_BUCKET_FRACTION) - 1) // 999_999
+    bucket_numel = (
+        None
+        if draw(_NO_BUCKET_LIMIT)
+        else 1 + (largest - 1) * (draw(_BUCKET_FRACTION) - 1) // 999_999
+    )
     kwargs = dict(
         dp_size=draw(_DP_SIZES),
         mode=draw(_modes(modes)),
@@ -145,8 +163,12 @@ def test_layout_is_a_function_of_the_inputs_not_their_order(plan):
     shuffled = dict(plan.kwargs, requirements=tuple(reversed(plan.kwargs["requirements"])))
     fresh = tuple(ParamSpec(s.name, tuple(s.shape), s.dtype) for s in plan.specs)
     a, b = plan_layout(fresh, **shuffled), plan.layout()
-    assert (a.params, a.buckets, a.start_alignment, a.padded_numel) == (b.params, b.buckets, b.start_alignment,
-                                                                         b.padded_numel)
+    assert (a.params, a.buckets, a.start_alignment, a.padded_numel) == (
+        b.params,
+        b.buckets,
+        b.start_alignment,
+        b.padded_numel,
+    )
 
 
 @EXAMPLES
@@ -209,8 +231,12 @@ def test_sharded_buckets_split_into_equal_aligned_shards(plan):
 def test_layerwise_params_lie_whole_in_their_owners_shard(plan):
     layout = plan.layout()
     for p in layout.params:
-        inside = [r for r in range(layout.dp_size)
-                  if layout.shard_range(p.bucket, r)[0] <= p.start and p.end <= layout.shard_range(p.bucket, r)[1]]
+        inside = [
+            r
+            for r in range(layout.dp_size)
+            if layout.shard_range(p.bucket, r)[0] <= p.start
+            and p.end <= layout.shard_range(p.bucket, r)[1]
+        ]
         assert inside == [p.owner], p
 
 
@@ -263,7 +289,9 @@ def test_padding_is_reported_and_bounded(plan):
             shard = b.numel // dp_size
             sizes = [_round_up(p.numel, A) for p in members]
             U, M = sum(sizes), max(sizes)
-            assert shard <= _round_up(max(math.ceil(U / dp_size) + M, math.ceil(1.005 * U / dp_size)), S)
+            assert shard <= _round_up(
+                max(math.ceil(U / dp_size) + M, math.ceil(1.005 * U / dp_size)), S
+            )
             for r in range(dp_size):
                 lo, hi = layout.shard_range(b.index, r)
                 mine = [p for p in members if p.owner == r]
@@ -281,12 +309,18 @@ def test_padding_is_reported_and_bounded(plan):
 @counted
 def test_validate_names_a_param_shifted_by_ten_elements(plan, data):
     layout = plan.layout()
-    if layout.start_alignment < 16:  # a shift of 10 only breaks alignments of 4 and up; keep it loud
+    if (
+        layout.start_alignment < 16
+    ):  # a shift of 10 only breaks alignments of 4 and up; keep it loud
         return
     victim = data.draw(st.sampled_from(layout.params))
     moved = dataclasses.replace(victim, start=victim.start + 10, end=victim.end + 10)
-    broken = dataclasses.replace(layout, params=tuple(moved if p is victim else p for p in layout.params))
-    with pytest.raises(ValueError, match=f"param '{victim.name}' starts at element {victim.start + 10}"):
+    broken = dataclasses.replace(
+        layout, params=tuple(moved if p is victim else p for p in layout.params)
+    )
+    with pytest.raises(
+        ValueError, match=f"param '{victim.name}' starts at element {victim.start + 10}"
+    ):
         validate(broken)
 
 
@@ -299,14 +333,20 @@ def test_validate_names_a_param_given_the_wrong_owner(plan, data):
         return
     victim = data.draw(st.sampled_from(layout.params))
     wrong = dataclasses.replace(victim, owner=(victim.owner + 1) % layout.dp_size)
-    broken = dataclasses.replace(layout, params=tuple(wrong if p is victim else p for p in layout.params))
+    broken = dataclasses.replace(
+        layout, params=tuple(wrong if p is victim else p for p in layout.params)
+    )
     with pytest.raises(ValueError, match=f"param '{victim.name}'.*owner is {wrong.owner}"):
         validate(broken)
 
 
 def test_ci_profile_runs_ten_thousand_examples():
     """Runs last (file order): under the ci profile the properties above ran >= 10,000 examples."""
-    properties = [name for name in globals() if name.startswith("test_") and hasattr(globals()[name], "hypothesis")]
+    properties = [
+        name
+        for name in globals()
+        if name.startswith("test_") and hasattr(globals()[name], "hypothesis")
+    ]
     if PROFILE != "ci" or set(RAN) != set(properties):
         pytest.skip(f"profile {PROFILE!r}, {len(RAN)} of {len(properties)} properties selected")
     assert sum(RAN.values()) >= 10_000, dict(RAN)

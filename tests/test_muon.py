@@ -9,6 +9,7 @@ matrix after one step). So the 1e-5 comparisons patch torch's Newton–Schulz to
 (:func:`fp32_newton_schulz`, both sides alike); torch's own bf16 path is checked bit for bit
 against sharding="none" at dp 2 and loosely against one process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aligndp
-from aligndp.layout import Mode
-from aligndp.routing import route_params
+from aligndp.plan.layout import Mode
+from aligndp.plan.routing import route_params
 from tests._dist import case, make_tests
 from tests.test_checkpoint import ckpt  # a directory shared by the ranks of this session
 from tests.test_ddp import VOCAB, batch, loss_of  # the same global batch at every world size
@@ -124,7 +125,10 @@ class Reference:
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm())
+    return float(
+        (actual.detach().float() - expected.detach().float()).norm()
+        / expected.detach().float().norm()
+    )
 
 
 def assert_replicas_identical(model) -> None:
@@ -147,17 +151,40 @@ def assert_owners_partition(opt, routing) -> None:
     assert sorted(stepped) == sorted(mine), f"momentum on {stepped}, owned {mine}"
 
 
-def run_against_reference(rank, ws, *, shape=BASE, sharding="zero1", overlap=True, micro_batches=1,
-                          max_grad_norm=None, bucket_numel=150, rel=REL, fp32_ns=True,
-                          overlap_param_gather=False) -> float:
+def run_against_reference(
+    rank,
+    ws,
+    *,
+    shape=BASE,
+    sharding="zero1",
+    overlap=True,
+    micro_batches=1,
+    max_grad_norm=None,
+    bucket_numel=150,
+    rel=REL,
+    fp32_ns=True,
+    overlap_param_gather=False,
+) -> float:
     with fp32_newton_schulz() if fp32_ns else contextlib.nullcontext():
-        model, opt = aligndp.parallelize(make_net(shape), optimizer="muon", sharding=sharding, lr=MUON_LR,
-                                         adamw_lr=ADAMW_LR, overlap=overlap, bucket_numel=bucket_numel,
-                                         max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather)
-        return _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel)
+        model, opt = aligndp.parallelize(
+            make_net(shape),
+            optimizer="muon",
+            sharding=sharding,
+            lr=MUON_LR,
+            adamw_lr=ADAMW_LR,
+            overlap=overlap,
+            bucket_numel=bucket_numel,
+            max_grad_norm=max_grad_norm,
+            overlap_param_gather=overlap_param_gather,
+        )
+        return _run_against_reference(
+            rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel
+        )
 
 
-def _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel):
+def _run_against_reference(
+    rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel
+):
     ref = Reference(shape, max_grad_norm)
     assert opt.routing == route_params(ref.net)
     if sharding == "zero1":
@@ -173,7 +200,9 @@ def _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches,
         for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
             err = rel_error(p, q)
             worst = max(worst, err)
-            assert err <= rel, f"{shape} {sharding} step {step} {n}: relative error {err:.2e} > {rel}"
+            assert err <= rel, (
+                f"{shape} {sharding} step {step} {n}: relative error {err:.2e} > {rel}"
+            )
     if sharding == "zero1":
         assert_owners_partition(opt, opt.routing)
     return worst
@@ -181,14 +210,19 @@ def _run_against_reference(rank, ws, model, opt, shape, sharding, micro_batches,
 
 @case(2, 3, 4)
 def case_zero1_matches_one_process(rank, ws):
-    worst = max(run_against_reference(rank, ws, shape=shape, sharding="zero1") for shape in (BASE, TIED, ONE_MATRIX, HUGE))
+    worst = max(
+        run_against_reference(rank, ws, shape=shape, sharding="zero1")
+        for shape in (BASE, TIED, ONE_MATRIX, HUGE)
+    )
     if rank == 0:
         print(f"zero1, dp {ws}: worst relative error {worst:.2e}")
 
 
 @case(2, 3, 4)
 def case_none_matches_one_process(rank, ws):
-    worst = max(run_against_reference(rank, ws, shape=shape, sharding="none") for shape in (BASE, TIED))
+    worst = max(
+        run_against_reference(rank, ws, shape=shape, sharding="none") for shape in (BASE, TIED)
+    )
     if rank == 0:
         print(f"none, dp {ws}: worst relative error {worst:.2e}")
 
@@ -197,7 +231,9 @@ def case_none_matches_one_process(rank, ws):
 def case_micro_batches_and_overlap_off(rank, ws):
     for sharding in ("zero1", "none"):
         run_against_reference(rank, ws, sharding=sharding, micro_batches=2, overlap=False)
-        run_against_reference(rank, ws, sharding=sharding, micro_batches=2, overlap=True, overlap_param_gather=True)
+        run_against_reference(
+            rank, ws, sharding=sharding, micro_batches=2, overlap=True, overlap_param_gather=True
+        )
 
 
 @case(2, 3)
@@ -219,26 +255,38 @@ def case_torch_bf16_newton_schulz_bitwise_equal_to_replicated(rank, ws):
     must then give exactly what every rank stepping torch's Muon on the all-reduced grads gives."""
     runs = {}
     for sharding in ("none", "zero1"):
-        model, opt = aligndp.parallelize(make_net(HUGE), optimizer="muon", sharding=sharding, lr=MUON_LR,
-                                         bucket_numel=150)
+        model, opt = aligndp.parallelize(
+            make_net(HUGE), optimizer="muon", sharding=sharding, lr=MUON_LR, bucket_numel=150
+        )
         for step in range(STEPS):
             backward(model, step, rank, ws, 1)
             opt.step()
             opt.zero_grad()
         runs[sharding] = [p.detach().clone() for p in model.module.parameters()]
     for n, a, b in zip(dict(make_net(HUGE).named_parameters()), runs["none"], runs["zero1"]):
-        assert torch.equal(a, b), f"{n}: layer-wise differs from replicated by {rel_error(b, a):.2e}"
+        assert torch.equal(a, b), (
+            f"{n}: layer-wise differs from replicated by {rel_error(b, a):.2e}"
+        )
 
 
 @case(2)
 def case_param_groups_and_lr_scheduler(rank, ws):
-    model, opt = aligndp.parallelize(make_net(), optimizer="muon", sharding="zero1", lr=MUON_LR, adamw_lr=ADAMW_LR,
-                                     adamw_betas=(0.8, 0.9), momentum=0.9)
+    model, opt = aligndp.parallelize(
+        make_net(),
+        optimizer="muon",
+        sharding="zero1",
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        adamw_betas=(0.8, 0.9),
+        momentum=0.9,
+    )
     tags = [g["optimizer"] for g in opt.param_groups]
     assert tags == ["muon", "adamw"], tags
     assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[1]["betas"] == (0.8, 0.9)
-    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.01  # torch's
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    assert (
+        opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.01
+    )  # torch's
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     for step in range(2):
         backward(model, step, rank, ws, 1)
         opt.step()
@@ -264,7 +312,9 @@ def case_param_groups_and_lr_scheduler(rank, ws):
 @case(2)
 def case_bf16_params_fp32_masters(rank, ws):
     net = make_net(HUGE).to(torch.bfloat16)
-    model, opt = aligndp.parallelize(net, optimizer="muon", sharding="zero1", lr=MUON_LR, grad_dtype=torch.float32)
+    model, opt = aligndp.parallelize(
+        net, optimizer="muon", sharding="zero1", lr=MUON_LR, grad_dtype=torch.float32
+    )
     muon = opt.parts[0]
     for step in range(3):
         backward(model, step, rank, ws, 1)
@@ -283,7 +333,15 @@ ALIGNMENT_RUNS = [  # (optimizer, sharding, param dtype, grad dtype, wgrad, star
     ("muon", "zero1", torch.bfloat16, None, "mxfp8", 1, 128),
     ("muon", "zero1", torch.bfloat16, torch.float32, "mxfp8", 1, 256),
     ("muon", "zero1", torch.bfloat16, torch.float32, "fp8", 64, 256),  # the default start alignment
-    ("adamw", "zero1", torch.bfloat16, None, "fp8", 1, 16),  # FP8 asks only 16 B: the user may lower the rest
+    (
+        "adamw",
+        "zero1",
+        torch.bfloat16,
+        None,
+        "fp8",
+        1,
+        16,
+    ),  # FP8 asks only 16 B: the user may lower the rest
 ]
 
 
@@ -301,18 +359,36 @@ def case_regression_mxfp8_wgrad_with_layerwise_muon_every_view_aligned(rank, ws)
     ``data_ptr() % (64 * itemsize) == 0`` for every ``main_grad`` and param view.
     """
     seen = set()
-    for optimizer, sharding, dtype, grad_dtype, wgrad, start_alignment, align_bytes in ALIGNMENT_RUNS:
-        model, opt = aligndp.parallelize(make_net(HUGE).to(dtype), optimizer=optimizer, sharding=sharding,
-                                         wgrad=wgrad, start_alignment=start_alignment, bucket_numel=150,
-                                         grad_dtype=grad_dtype)
+    for (
+        optimizer,
+        sharding,
+        dtype,
+        grad_dtype,
+        wgrad,
+        start_alignment,
+        align_bytes,
+    ) in ALIGNMENT_RUNS:
+        model, opt = aligndp.parallelize(
+            make_net(HUGE).to(dtype),
+            optimizer=optimizer,
+            sharding=sharding,
+            wgrad=wgrad,
+            start_alignment=start_alignment,
+            bucket_numel=150,
+            grad_dtype=grad_dtype,
+        )
         for buf in model.flat_buffers:
             seen.add(buf.layout.mode)
             for p, slot, g in zip(buf.params, buf.slots, buf.main_grads):
                 where = f"{optimizer}/{sharding}/{wgrad}/{buf.layout.mode.value} {slot.name}"
-                assert (slot.start * g.element_size()) % align_bytes == 0, f"{where}: starts at {slot.start}"
+                assert (slot.start * g.element_size()) % align_bytes == 0, (
+                    f"{where}: starts at {slot.start}"
+                )
                 assert g is p.main_grad and g.data_ptr() % align_bytes == 0, f"{where}: main_grad"
                 if wgrad == "mxfp8":
-                    assert slot.start % 64 == 0 and g.data_ptr() % (64 * g.element_size()) == 0, where
+                    assert slot.start % 64 == 0 and g.data_ptr() % (64 * g.element_size()) == 0, (
+                        where
+                    )
                 if buf.param_data is not None and wgrad == "mxfp8":
                     assert p.data_ptr() % (64 * p.element_size()) == 0, f"{where}: param view"
         backward(model, 0, rank, ws, 1)
@@ -324,10 +400,14 @@ def case_regression_mxfp8_wgrad_with_layerwise_muon_every_view_aligned(rank, ws)
 def case_hand_made_misaligned_layout_refused_naming_the_param(rank, ws):
     """No mode skips validation: a layout whose first param starts one element off is refused
     when ``parallelize`` builds the buffers, with an error naming that param."""
-    from aligndp import layout as layout_module
+    from aligndp.plan import layout as layout_module
 
-    for mode, optimizer, sharding in [(Mode.REPLICATED, "muon", "none"), (Mode.SHARDED, "muon", "zero1"),
-                                      (Mode.LAYERWISE, "muon", "zero1")]:
+    for mode, optimizer, sharding in [
+        (Mode.REPLICATED, "muon", "none"),
+        (Mode.SHARDED, "muon", "zero1"),
+        (Mode.LAYERWISE, "muon", "zero1"),
+    ]:
+
         def misaligned(specs, *, _mode=mode, **kwargs):
             layout = aligndp.plan_layout(specs, **kwargs)
             if layout.mode is not _mode:
@@ -338,7 +418,9 @@ def case_hand_made_misaligned_layout_refused_naming_the_param(rank, ws):
 
         with mock.patch.object(layout_module, "plan_layout", misaligned):  # what plan_buffers calls
             with pytest.raises(ValueError) as error:
-                aligndp.parallelize(make_net(HUGE), optimizer=optimizer, sharding=sharding, wgrad="mxfp8")
+                aligndp.parallelize(
+                    make_net(HUGE), optimizer=optimizer, sharding=sharding, wgrad="mxfp8"
+                )
         message = str(error.value)
         assert "start % 64 = 1" in message and "param '" in message, message
         name = message.split("param '")[1].split("'")[0]
@@ -360,8 +442,14 @@ def train(model, opt, steps: range) -> None:
 
 
 def build(sharding: str, bucket_numel: int | None):
-    return aligndp.parallelize(make_net(TIED), optimizer="muon", sharding=sharding, lr=MUON_LR, adamw_lr=ADAMW_LR,
-                               bucket_numel=bucket_numel)
+    return aligndp.parallelize(
+        make_net(TIED),
+        optimizer="muon",
+        sharding=sharding,
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        bucket_numel=bucket_numel,
+    )
 
 
 @case(2, 4)
@@ -384,7 +472,9 @@ def case_checkpoint_save(rank, ws):
                     p.add_(1.0)
             assert aligndp.load(ckpt(f"muon-{sharding}-dp{ws}"), fresh, fresh_opt) == SAVED_AT
             for (n, p), q in zip(fresh.module.named_parameters(), model.module.parameters()):
-                assert torch.equal(p, q), f"{sharding} dp {ws}: {n} not restored by a load at the same dp"
+                assert torch.equal(p, q), (
+                    f"{sharding} dp {ws}: {n} not restored by a load at the same dp"
+                )
 
 
 def resume_and_compare(saved_dp: int) -> None:
@@ -406,7 +496,9 @@ def resume_and_compare(saved_dp: int) -> None:
             train(model, opt, range(SAVED_AT, STEPS))
             for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
                 err = rel_error(p, q)
-                assert err <= REL, f"dp {saved_dp} {saved} -> dp {dist.get_world_size()} {sharding}: {n} {err:.2e}"
+                assert err <= REL, (
+                    f"dp {saved_dp} {saved} -> dp {dist.get_world_size()} {sharding}: {n} {err:.2e}"
+                )
 
 
 @case(2, after=(4,))
@@ -424,7 +516,9 @@ def case_bad_options(rank, ws):
     with pytest.raises(TypeError, match="adamw_"):
         aligndp.parallelize(make_net(), optimizer="muon", betas=(0.9, 0.99))
     with pytest.raises(ValueError, match="mlp.0.bias"):
-        aligndp.parallelize(make_net(), optimizer="muon", muon_filter=lambda n, p, m: n.startswith("mlp"))
+        aligndp.parallelize(
+            make_net(), optimizer="muon", muon_filter=lambda n, p, m: n.startswith("mlp")
+        )
 
 
 make_tests(globals())

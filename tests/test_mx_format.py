@@ -1,8 +1,9 @@
 """MXFP8 quantisation against torchao 0.18 ``to_mx`` (FLOOR) and hand-worked OCP examples.
 
-See [Note: MXFP8 format] in ``aligndp/mx/format.py`` for where we deliberately differ. The
+See [Note: MXFP8 format] in ``aligndp/lowp/mx_format.py`` for where we deliberately differ. The
 hand-worked cases need no torchao and run without it; only the torchao comparisons skip.
 """
+
 import math
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aligndp.mx import MXTensor, dequantize_mxfp8, quantize_mxfp8
-from aligndp.mx.format import ELEMENT_FORMATS
+from aligndp.lowp import MXTensor, dequantize_mxfp8, quantize_mxfp8
+from aligndp.lowp.mx_format import ELEMENT_FORMATS
 
 try:
     import torchao.prototype.mx_formats.mx_tensor as torchao_mx
@@ -33,7 +34,10 @@ def torchao_pair(x: torch.Tensor, elem: torch.dtype, block_size: int = 32) -> MX
 
 
 def assert_bit_exact(x: torch.Tensor, elem: torch.dtype, block_size: int = 32) -> None:
-    ours, ref = quantize_mxfp8(x, elem_dtype=elem, block_size=block_size), torchao_pair(x, elem, block_size)
+    ours, ref = (
+        quantize_mxfp8(x, elem_dtype=elem, block_size=block_size),
+        torchao_pair(x, elem, block_size),
+    )
     assert torch.equal(bits(ours.scale), bits(ref.scale))
     assert torch.equal(bits(ours.data), bits(ref.data))
 
@@ -67,7 +71,9 @@ def test_magnitude_sweep_bit_exact(elem):
     exps = torch.arange(low, 126)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(len(exps), 32, generator=g) * torch.exp2(exps.float())[:, None]
-    x = x * torch.exp2(torch.randint(-12, 1, x.shape, generator=g).float())  # elements far below amax
+    x = x * torch.exp2(
+        torch.randint(-12, 1, x.shape, generator=g).float()
+    )  # elements far below amax
     x[:, 0] = torch.exp2(exps.float() + 0.5)  # pin the block max
     assert_bit_exact(x, elem)
     assert_bit_exact(x.bfloat16(), elem)
@@ -95,7 +101,7 @@ def test_tiny_blocks_deliberately_differ_from_torchao(elem):
     torch.testing.assert_close(ours.data.float(), 2 * ref.data.float(), rtol=0.07, atol=0)
     ours_err = (dequantize_mxfp8(ours) - x).abs().max()
     ref_err = (torchao_mx.to_dtype(ref.data, ref.scale, elem, 32, torch.float32) - x).abs().max()
-    assert ours_err <= x.abs().max() * 2.0 ** -3 < ref_err
+    assert ours_err <= x.abs().max() * 2.0**-3 < ref_err
 
 
 @BOTH
@@ -128,10 +134,23 @@ def test_hand_worked_ocp_examples():
 # Round-to-nearest (or ceil) of log2(amax) gives the next byte wherever the mantissa of amax
 # is >= 1.5 (1.5, 1.99, 3.0, 3.99, 0.75, 511, 1e-3, 1.9, 57344, 0.3).
 FLOOR_CASES = [
-    (1.0, E4M3, 119), (1.5, E4M3, 119), (1.99, E4M3, 119), (2.0, E4M3, 120), (3.0, E4M3, 120),
-    (3.99, E4M3, 120), (0.75, E4M3, 118), (448.0, E4M3, 127), (511.0, E4M3, 127), (512.0, E4M3, 128),
-    (2.0**-10, E4M3, 109), (1e-3, E4M3, 109),
-    (1.0, E5M2, 112), (1.9, E5M2, 112), (2.0, E5M2, 113), (57344.0, E5M2, 127), (0.3, E5M2, 110),
+    (1.0, E4M3, 119),
+    (1.5, E4M3, 119),
+    (1.99, E4M3, 119),
+    (2.0, E4M3, 120),
+    (3.0, E4M3, 120),
+    (3.99, E4M3, 120),
+    (0.75, E4M3, 118),
+    (448.0, E4M3, 127),
+    (511.0, E4M3, 127),
+    (512.0, E4M3, 128),
+    (2.0**-10, E4M3, 109),
+    (1e-3, E4M3, 109),
+    (1.0, E5M2, 112),
+    (1.9, E5M2, 112),
+    (2.0, E5M2, 113),
+    (57344.0, E5M2, 127),
+    (0.3, E5M2, 110),
 ]
 
 
@@ -217,7 +236,9 @@ def test_dim_is_transpose_of_last_dim(dim):
     assert mx.data.shape == x.shape and mx.scale.shape[along] == x.shape[along] // 32
     assert torch.equal(bits(mx.data), bits(ref.data.movedim(-1, along)))
     assert torch.equal(bits(mx.scale), bits(ref.scale.movedim(-1, along)))
-    torch.testing.assert_close(dequantize_mxfp8(mx, dim=dim), dequantize_mxfp8(ref).movedim(-1, along))
+    torch.testing.assert_close(
+        dequantize_mxfp8(mx, dim=dim), dequantize_mxfp8(ref).movedim(-1, along)
+    )
 
 
 def test_round_trip_error_bound():
@@ -278,4 +299,6 @@ def test_errors_say_what_to_do():
         dequantize_mxfp8(mx, dim=1)
     with pytest.raises(TypeError, match="quantize_mxfp8"):
         dequantize_mxfp8(MXTensor(torch.randn(2, 32), mx.scale))
-    assert math.isclose(dequantize_mxfp8(quantize_mxfp8(torch.full((1, 32), 2.0)))[0, 0].item(), 2.0)
+    assert math.isclose(
+        dequantize_mxfp8(quantize_mxfp8(torch.full((1, 32), 2.0)))[0, 0].item(), 2.0
+    )

@@ -1,13 +1,14 @@
 """Hopper backends against the CPU-tested reference. Skipped without CUDA; Triton is imported
 only after that check, so collecting this file on CPU never imports it."""
+
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (Hopper) for the Triton backends", allow_module_level=True)
 
-from aligndp.mx import MXLinear, quantize_mxfp8  # noqa: E402
-from aligndp.mx.backends import ReferenceBackend, get_backend  # noqa: E402
+from aligndp.lowp import MXLinear, quantize_mxfp8  # noqa: E402
+from aligndp.lowp.backends import ReferenceBackend, get_backend  # noqa: E402
 
 DEV = "cuda"
 
@@ -20,12 +21,14 @@ def rel_err(a, b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(320, 192), (2048, 512)])  # masked edge tiles; whole tiles only
 def test_quantize_kernel_is_bit_exact_with_format(impl, dtype, shape):
-    from aligndp.mx.triton_kernels import quantize_rows_and_columns
+    from aligndp.lowp.triton_kernels import quantize_rows_and_columns
 
     g = torch.Generator(device=DEV).manual_seed(0)
     rows, cols = shape
-    x = (torch.randn(rows, cols, generator=g, device=DEV)
-         * torch.exp2(torch.randint(-20, 20, (rows, 1), device=DEV))).to(dtype)
+    x = (
+        torch.randn(rows, cols, generator=g, device=DEV)
+        * torch.exp2(torch.randint(-20, 20, (rows, 1), device=DEV))
+    ).to(dtype)
     x[0, :32] = 0.0
     x[40, 7] = float("nan")
     x[41, 70] = float("inf")
@@ -46,21 +49,29 @@ def test_quantize_kernel_is_bit_exact_with_format(impl, dtype, shape):
 def test_fp8_1x128_quantise_kernels_agree_with_torch():
     """The 1x128 fp8 recipe (scale amax / 448, data x * (448 / amax) rounded to nearest even):
     Gluon and plain-Triton kernels equal each other bit for bit and a torch reference."""
-    from aligndp.mx.triton_kernels import quantize_rows_and_columns
+    from aligndp.lowp.triton_kernels import quantize_rows_and_columns
 
     g = torch.Generator(device=DEV).manual_seed(2)
     x = torch.randn(640, 384, generator=g, device=DEV, dtype=torch.bfloat16) * 7
     x[:128, 5] = 0.0  # an all-zero column block: scale 1, data 0
-    outs = [quantize_rows_and_columns(x, block=128, mx=False, impl=impl) for impl in ("gluon", "triton")]
+    outs = [
+        quantize_rows_and_columns(x, block=128, mx=False, impl=impl) for impl in ("gluon", "triton")
+    ]
     for (row, col), (row2, col2) in [outs]:
-        assert torch.equal(row.data.view(torch.uint8), row2.data.view(torch.uint8)) and torch.equal(row.scale_t, row2.scale_t)
-        assert torch.equal(col.data.view(torch.uint8), col2.data.view(torch.uint8)) and torch.equal(col.scale_t, col2.scale_t)
+        assert torch.equal(row.data.view(torch.uint8), row2.data.view(torch.uint8)) and torch.equal(
+            row.scale_t, row2.scale_t
+        )
+        assert torch.equal(col.data.view(torch.uint8), col2.data.view(torch.uint8)) and torch.equal(
+            col.scale_t, col2.scale_t
+        )
     row, col = outs[0]
     blocks = x.float().view(640, 3, 128)
     amax = blocks.abs().amax(-1)
     fp8_max = torch.full_like(amax, 448.0)
     safe = torch.where(amax > 0, amax, fp8_max)
-    assert torch.equal(row.scale_t, (safe / fp8_max).T)  # tensor / tensor: correctly rounded, like div_rn
+    assert torch.equal(
+        row.scale_t, (safe / fp8_max).T
+    )  # tensor / tensor: correctly rounded, like div_rn
     data = (blocks * (fp8_max / safe)[..., None]).to(torch.float8_e4m3fn)
     assert torch.equal(row.data.view(torch.uint8).view(640, 3, 128), data.view(torch.uint8))
     assert (col.scale_t > 0).all() and col.scale_t[0, 5] == 1.0
@@ -77,13 +88,13 @@ def test_wgrad_accumulates_in_place(backend, grad_dtype):
     dy = torch.randn(1000, 384, generator=g, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(1000, 256, generator=g, device=DEV, dtype=torch.bfloat16)
     buffer = torch.zeros(256 + 384 * 256 + 64, device=DEV, dtype=grad_dtype)
-    view = buffer[256:256 + 384 * 256].view(384, 256)
+    view = buffer[256 : 256 + 384 * 256].view(384, 256)
     view.copy_(torch.randn(384, 256, generator=g, device=DEV))
     start = view.float().clone()
     be.wgrad_accumulate(dy, x, view)
     be.wgrad_accumulate(dy, x, view)
     exact = start + 2 * (dy.float().T @ x.float())
-    assert not buffer[:256].any() and not buffer[256 + 384 * 256:].any()
+    assert not buffer[:256].any() and not buffer[256 + 384 * 256 :].any()
     if backend == "triton":
         ref = start + 2 * ReferenceBackend().wgrad(dy, x)
         tol = 1e-5 if grad_dtype == torch.float32 else 4e-3
@@ -112,8 +123,14 @@ def test_mxlinear_on_gpu_matches_reference_backend(backend):
     wg, bg = lin.weight.grad.clone(), lin.bias.grad.clone()
     lin.weight.grad = lin.bias.grad = None
     y_ref.float().sin().sum().backward()
-    bound = 2e-2 if backend == "triton" else 0.08  # bf16 outputs vs the MX reference; fp8 is another recipe
-    assert rel_err(y, y_ref) < bound and rel_err(x.grad, xr.grad) < bound and rel_err(wg, lin.weight.grad) < bound
+    bound = (
+        2e-2 if backend == "triton" else 0.08
+    )  # bf16 outputs vs the MX reference; fp8 is another recipe
+    assert (
+        rel_err(y, y_ref) < bound
+        and rel_err(x.grad, xr.grad) < bound
+        and rel_err(wg, lin.weight.grad) < bound
+    )
     assert rel_err(bg, lin.bias.grad) < bound  # the GPU backends add the bias in the GEMM epilogue
 
 
@@ -122,16 +139,25 @@ def test_mxlinear_on_gpu_matches_reference_backend(backend):
 def test_gemm_bias_epilogue(mx, impl, accumulate):
     """``scaled_gemm(bias=...)`` adds the bias to every row in float32 before the store, in all
     three GEMM kernels; a bias shorter than N (a padded output) reads as zeros past its end."""
-    from aligndp.mx.triton_kernels import dequantize_operand, quantize_rows_and_columns, scaled_gemm
+    from aligndp.lowp.triton_kernels import (
+        dequantize_operand,
+        quantize_rows_and_columns,
+        scaled_gemm,
+    )
 
     g = torch.Generator(device=DEV).manual_seed(6)
     block = 32 if mx else 128
     x = torch.randn(256, 384, generator=g, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(384, 384, generator=g, device=DEV, dtype=torch.bfloat16)
-    a, b = quantize_rows_and_columns(x, block=block, mx=mx)[0], quantize_rows_and_columns(w, block=block, mx=mx)[0]
+    a, b = (
+        quantize_rows_and_columns(x, block=block, mx=mx)[0],
+        quantize_rows_and_columns(w, block=block, mx=mx)[0],
+    )
     bias = torch.randn(300, generator=g, device=DEV)
     start = torch.randn(256, 384, generator=g, device=DEV)
-    out = scaled_gemm(a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, bias=bias, impl=impl)
+    out = scaled_gemm(
+        a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, bias=bias, impl=impl
+    )
     plain = scaled_gemm(a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, impl=impl)
     padded = torch.cat([bias, bias.new_zeros(84)])
     assert rel_err(out, plain + padded) < 1e-6
@@ -141,19 +167,24 @@ def test_gemm_bias_epilogue(mx, impl, accumulate):
 
 
 @pytest.mark.parametrize("backend", ["triton", "fp8"])
-@pytest.mark.parametrize("out_features", [384, 96])  # 96: padded to the fp8 block, so no in-place kernel
+@pytest.mark.parametrize(
+    "out_features", [384, 96]
+)  # 96: padded to the fp8 block, so no in-place kernel
 def test_mxlinear_fused_wgrad_on_gpu_equals_unfused(backend, out_features):
     """MXLinear's GPU path quantises x, the weight and grad_out once each (rows and columns in
     one pass) and keeps x as fp8 for backward. Over two micro-batches of 200 tokens (not a
     block multiple), the wgrad accumulated into a main_grad view must equal the sum of the
     unfused wgrads, and grad_x must not depend on whether the wgrad is fused."""
-    from aligndp.buffer import aligned_empty
+    from aligndp.runtime.buffer import aligned_empty
     from tests.test_mx_linear import RecordingSink
 
     torch.manual_seed(1)
     lin = torch.nn.Linear(256, out_features, device=DEV, dtype=torch.bfloat16)
     mxl = MXLinear.from_linear(lin, backend=backend)
-    batches = [torch.randn(4, 50, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    batches = [
+        torch.randn(4, 50, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    ]
     expected = torch.zeros(out_features, 256, device=DEV)
     grads_x = []
     for xb in batches:
@@ -163,7 +194,9 @@ def test_mxlinear_fused_wgrad_on_gpu_equals_unfused(backend, out_features):
         grads_x.append(xb.grad.clone())
         xb.grad = None
     mxl.weight.grad = None
-    buffer = aligned_empty(256 + out_features * 256, dtype=torch.float32, device=torch.device(DEV), align_bytes=256)
+    buffer = aligned_empty(
+        256 + out_features * 256, dtype=torch.float32, device=torch.device(DEV), align_bytes=256
+    )
     buffer.zero_()
     sink = RecordingSink({mxl.weight: buffer[256:].view(out_features, 256)})
     mxl.bind_grad_sink(sink)
@@ -177,15 +210,19 @@ def test_mxlinear_fused_wgrad_on_gpu_equals_unfused(backend, out_features):
 
 def test_mx_dequantize_and_gemm_read_tiny_and_nan_blocks_exactly():
     """Scale byte 0 is 2**-127 (not 0) and byte 255 is NaN in the GEMM's dequantise pass, which
-    must equal aligndp.mx.dequantize_mxfp8 bit for bit; the GEMM over such blocks, at shapes
+    must equal aligndp.lowp.dequantize_mxfp8 bit for bit; the GEMM over such blocks, at shapes
     that are not tile multiples (TMA bounds), equals the float64 product of those values."""
-    from aligndp.mx import dequantize_mxfp8
-    from aligndp.mx.triton_kernels import dequantize_operand, quantize_rows_and_columns, scaled_gemm
+    from aligndp.lowp import dequantize_mxfp8
+    from aligndp.lowp.triton_kernels import (
+        dequantize_operand,
+        quantize_rows_and_columns,
+        scaled_gemm,
+    )
 
     g = torch.Generator(device=DEV).manual_seed(3)
     x = torch.randn(224, 160, generator=g, device=DEV, dtype=torch.bfloat16)
-    x[:32, 3] = 2.0 ** -120  # a column block of amax 2**-120: scale byte 0
-    x[32:64, 9] = 2.0 ** -115  # scale byte 4
+    x[:32, 3] = 2.0**-120  # a column block of amax 2**-120: scale byte 0
+    x[32:64, 9] = 2.0**-115  # scale byte 4
     _, col = quantize_rows_and_columns(x)
     assert (col.scale_t == 0).any()
     ref_col = quantize_mxfp8(x, dim=0)
@@ -210,20 +247,24 @@ def test_fp8_block_gemm_kernels_match_float64(impl, out_dtype, accumulate):
     """Both 1x128 kernels against float64 on the dequantised operands, with scales spread over
     2**-10..2**10, odd and even numbers of K blocks (the Gluon loop is unrolled by two) and more
     tiles than SMs (so persistent CTAs loop); the bound is Hopper's fp8 MMA accumulation."""
-    from aligndp.mx.triton_kernels import QuantizedOperand, scaled_gemm
+    from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
 
     g = torch.Generator(device=DEV).manual_seed(4)
 
     def operand(rows, K):
         data = torch.randn(rows, K, generator=g, device=DEV).to(torch.float8_e4m3fn)
-        scale = torch.exp2(torch.randint(-10, 11, (K // 128, rows), generator=g, device=DEV).float())
+        scale = torch.exp2(
+            torch.randint(-10, 11, (K // 128, rows), generator=g, device=DEV).float()
+        )
         deq = data.double() * scale.double().T.repeat_interleave(128, dim=1)
         return QuantizedOperand(data, scale), deq
 
     for M, N, K in ((384, 640, 1152), (256, 128, 1024), (2048, 1152, 256)):
         (a, da), (b, db) = operand(M, K), operand(N, K)
         start = torch.randn(M, N, generator=g, device=DEV).to(out_dtype)
-        out = scaled_gemm(a, b, start.clone(), block=128, mx=False, accumulate=accumulate, impl=impl)
+        out = scaled_gemm(
+            a, b, start.clone(), block=128, mx=False, accumulate=accumulate, impl=impl
+        )
         exact = da @ db.T + (start.double() if accumulate else 0)
         assert rel_err(out, exact) < (5e-4 if out_dtype == torch.float32 else 5e-3), (M, N, K)
 
@@ -232,7 +273,7 @@ def test_fp8_block_gemm_without_promotion_adds_the_unscaled_product():
     """The measurement aid behind benchmarks/fp8_power.py: ``promote=False`` runs the same
     pipeline but adds each K block's partial unscaled, so it must equal A @ B.T + C (and not the
     scaled product, which the scales below make far from it)."""
-    from aligndp.mx import gluon_kernels
+    from aligndp.lowp import gluon_kernels
 
     g = torch.Generator(device=DEV).manual_seed(5)
     M, N, K = 256, 384, 640

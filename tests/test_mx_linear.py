@@ -4,18 +4,19 @@ The independent reference is torchao 0.18's MX quantiser (``to_mx`` / ``to_dtype
 aligndp's own quantiser matches bit for bit on finite, non-tiny blocks (tests/test_mx_format.py);
 the tests that need it skip one by one when torchao is not importable.
 """
+
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
 
-from aligndp.buffer import aligned_empty
-from aligndp.fused import FusedWgradModule, fused_wgrad_modules
-from aligndp.models.gpt import GPT, GPTConfig, PRESETS
-from aligndp.mx import MXLinear, convert_to_mxfp8, dequantize_mxfp8, quantize_mxfp8
-from aligndp.mx.backends import get_backend
-from aligndp.recipes import wgrad_requirements
+from aligndp.lowp import MXLinear, convert_to_mxfp8
+from aligndp.lowp.backends import get_backend
+from aligndp.lowp.recipes import wgrad_requirements
+from aligndp.models.gpt import GPT, PRESETS, GPTConfig
+from aligndp.plan.fused import FusedWgradModule, fused_wgrad_modules
+from aligndp.runtime.buffer import aligned_empty
 
 
 class RecordingSink:
@@ -124,8 +125,10 @@ def test_matches_torchao_mx_emulation_exactly():
     lin, mxl = make()
     with torch.no_grad():
         gen = torch.Generator().manual_seed(5)
-        lin.weight.mul_(torch.exp2(torch.randint(-4, 4, (96, 1), generator=gen).float())
-                        * torch.exp2(torch.randint(-4, 4, (1, 64), generator=gen).float()))
+        lin.weight.mul_(
+            torch.exp2(torch.randint(-4, 4, (96, 1), generator=gen).float())
+            * torch.exp2(torch.randint(-4, 4, (1, 64), generator=gen).float())
+        )
         mxl.weight.copy_(lin.weight)
     x = torch.randn(3, 40, 64, requires_grad=True)
     g = torch.randn(3, 40, 96)
@@ -155,7 +158,7 @@ def test_backend_operands_saved_on_ctx_are_used_once():
     """A backend that saves its own operands (not x) gets them back in backward: the grads equal
     the default path's; a second backward through the same graph is refused with a clear
     error, since the operands are freed after the first."""
-    from aligndp.mx.backends import ReferenceBackend
+    from aligndp.lowp.backends import ReferenceBackend
 
     class OwnOperands(ReferenceBackend):
         def forward_for_backward(self, x, weight, bias=None):
@@ -171,7 +174,9 @@ def test_backend_operands_saved_on_ctx_are_used_once():
     mxl(x).sin().sum().backward()
     y = own(x)
     y.sin().sum().backward(retain_graph=True)
-    assert torch.equal(own.weight.grad, mxl.weight.grad) and torch.equal(own.bias.grad, mxl.bias.grad)
+    assert torch.equal(own.weight.grad, mxl.weight.grad) and torch.equal(
+        own.bias.grad, mxl.bias.grad
+    )
     with pytest.raises(RuntimeError, match="retain_graph"):
         y.sin().sum().backward()
 
@@ -203,17 +208,23 @@ def test_fused_wgrad_accumulates_over_micro_batches(grad_dtype):
         expected += mxl.weight.grad
     mxl.weight.grad = mxl.bias.grad = None
     # as aligndp's buffers are: an aligned start address (fused kernels check addresses)
-    buffer = aligned_empty(128 + 96 * 64 + 64, dtype=grad_dtype, device=torch.device("cpu"), align_bytes=256)
-    sink = RecordingSink({mxl.weight: buffer[128:128 + 96 * 64].view(96, 64)})
+    buffer = aligned_empty(
+        128 + 96 * 64 + 64, dtype=grad_dtype, device=torch.device("cpu"), align_bytes=256
+    )
+    sink = RecordingSink({mxl.weight: buffer[128 : 128 + 96 * 64].view(96, 64)})
     mxl.bind_grad_sink(sink)
     for xb in batches:
         mxl(xb).sin().sum().backward()
     assert mxl.weight.grad is None and mxl.bias.grad is not None
     assert sink.ready == [mxl.weight] * 3
     scale = expected.abs().max().item()  # bf16 keeps 8 bits: three roundings of the running sum
-    tol = dict(rtol=1e-5, atol=1e-5) if grad_dtype == torch.float32 else dict(rtol=0, atol=2 * 2.0**-8 * scale)
+    tol = (
+        dict(rtol=1e-5, atol=1e-5)
+        if grad_dtype == torch.float32
+        else dict(rtol=0, atol=2 * 2.0**-8 * scale)
+    )
     torch.testing.assert_close(sink.views[mxl.weight].float(), expected, **tol)
-    assert not buffer[:128].any() and not buffer[128 + 96 * 64:].any()
+    assert not buffer[:128].any() and not buffer[128 + 96 * 64 :].any()
     mxl.bind_grad_sink(None)
     mxl(batches[0]).sum().backward()
     assert mxl.weight.grad is not None and len(sink.ready) == 3
@@ -246,7 +257,9 @@ def test_misaligned_main_grad_is_a_clear_value_error():
     _, mxl = make()
     buffer = torch.zeros(10 + 96 * 64)
     mxl.bind_grad_sink(RecordingSink({mxl.weight: buffer[10:].view(96, 64)}))
-    with pytest.raises(ValueError, match=r"element 10 \(40 B\).*64-element starts.*start_alignment=64"):
+    with pytest.raises(
+        ValueError, match=r"element 10 \(40 B\).*64-element starts.*start_alignment=64"
+    ):
         mxl(torch.randn(32, 64)).sum().backward()
     mxl.bind_grad_sink(RecordingSink({mxl.weight: torch.zeros(64, 96)}))
     with pytest.raises(ValueError, match="shape"):
@@ -359,18 +372,23 @@ def test_mxfp8_gpt_trains_like_the_torchao_emulation(one_thread):
     ref_model(seq[:, :-1], seq[:, 1:]).backward()
     for (n, p), q in zip(ours_model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    ours, ref = train_losses(ours_model, 10, batch=4, seq_len=32), train_losses(ref_model, 10, batch=4, seq_len=32)
+    ours, ref = (
+        train_losses(ours_model, 10, batch=4, seq_len=32),
+        train_losses(ref_model, 10, batch=4, seq_len=32),
+    )
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=0)
 
 
 def test_aligned_view_at_an_unaligned_storage_offset_is_accepted():
     """Regression: the check once measured the view's offset from its *storage* start, but
     aligndp buffers start at an aligned address inside an over-allocated storage
-    (aligndp.buffer.aligned_empty), so `aligndp train --wgrad mxfp8` on 2 ranks was refused
+    (aligndp.runtime.buffer.aligned_empty), so `aligndp train --wgrad mxfp8` on 2 ranks was refused
     with a false 'offset % 64' error whenever malloc returned a non-256-byte-aligned block.
     The rule is on the address."""
     _, mxl = make()
-    for attempt in range(200):  # a storage whose start is not 256-byte aligned (CPU malloc gives 64)
+    for attempt in range(
+        200
+    ):  # a storage whose start is not 256-byte aligned (CPU malloc gives 64)
         storage = torch.zeros(64 * 96 + 64 + attempt)
         if storage.data_ptr() % 256:
             break
@@ -378,7 +396,7 @@ def test_aligned_view_at_an_unaligned_storage_offset_is_accepted():
         pytest.skip("the allocator returned only 256-byte aligned blocks")
     skip = (-storage.data_ptr() % 256) // 4
     assert skip % 64, "the view must start at a storage offset that is not a multiple of 64"
-    view = storage[skip:skip + 96 * 64].view(96, 64)
+    view = storage[skip : skip + 96 * 64].view(96, 64)
     sink = RecordingSink({mxl.weight: view})
     mxl.bind_grad_sink(sink)
     mxl(torch.randn(32, 64)).sum().backward()

@@ -8,6 +8,7 @@ process-group timeout, ``aligndp.save`` onto a file renamed it, a full disk left
 store another rank's BatchNorm statistics. The hang cases run with
 ``ALIGNDP_COLLECTIVE_TIMEOUT=2`` and assert that they end within it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -25,9 +26,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import aligndp
-from aligndp import agreement
-from aligndp.checkpoint import prune_checkpoints
-from aligndp.layout import ParamSpec, plan_buffers
+from aligndp.plan.layout import ParamSpec, plan_buffers
+from aligndp.runtime import agreement
+from aligndp.state.checkpoint import prune_checkpoints
 from tests._dist import case, make_tests
 
 TIMEOUT_S = 2.0
@@ -75,6 +76,7 @@ def one_line(e: BaseException) -> str:
 
 # ---- ranks that disagree about the model ----
 
+
 def expect_disagreement(module: nn.Module, *patterns: str, layouts=()) -> None:
     with pytest.raises(ValueError, match="ranks disagree") as info:
         agreement.check_ranks_agree(module.named_parameters(), layouts)
@@ -86,22 +88,30 @@ def expect_disagreement(module: nn.Module, *patterns: str, layouts=()) -> None:
 @case(2, 3)
 def case_different_shapes_are_named_on_every_rank(rank, ws):
     """Linear(4,4) on rank 0 and Linear(4,5) elsewhere padded to one buffer size and 'trained'."""
-    expect_disagreement(nn.Linear(4, 4 if rank == 0 else 5), "param 'weight' has shape (5, 4) on rank 1",
-                        "but (4, 4) on rank 0")
+    expect_disagreement(
+        nn.Linear(4, 4 if rank == 0 else 5),
+        "param 'weight' has shape (5, 4) on rank 1",
+        "but (4, 4) on rank 0",
+    )
 
 
 @case(2, 3)
 def case_different_param_counts_are_named(rank, ws):
     """A different param count hung until the process-group timeout."""
     layers = [nn.Linear(4, 4) for _ in range(2 if rank == ws - 1 else 1)]
-    expect_disagreement(nn.Sequential(*layers), f"rank {ws - 1} has 4 params and rank 0 has 2",
-                        "'1.weight' exists only on rank")
+    expect_disagreement(
+        nn.Sequential(*layers),
+        f"rank {ws - 1} has 4 params and rank 0 has 2",
+        "'1.weight' exists only on rank",
+    )
 
 
 @case(2)
 def case_different_dtypes_and_requires_grad_are_named(rank, ws):
-    expect_disagreement(nn.Linear(4, 4).to(torch.float64 if rank else torch.float32),
-                        "dtype float64 on rank 1 but float32 on rank 0")
+    expect_disagreement(
+        nn.Linear(4, 4).to(torch.float64 if rank else torch.float32),
+        "dtype float64 on rank 1 but float32 on rank 0",
+    )
     frozen = nn.Linear(4, 4)
     frozen.bias.requires_grad_(rank == 0)
     expect_disagreement(frozen, "param 'bias' has requires_grad False on rank 1 but True on rank 0")
@@ -120,7 +130,9 @@ def case_same_params_other_layout_is_named(rank, ws):
 def case_agreeing_ranks_pass(rank, ws):
     module = small()
     specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()]
-    agreement.check_ranks_agree(module.named_parameters(), plan_buffers(specs, dp_size=ws, bucket_numel=50))
+    agreement.check_ranks_agree(
+        module.named_parameters(), plan_buffers(specs, dp_size=ws, bucket_numel=50)
+    )
 
 
 @case(2)
@@ -128,7 +140,7 @@ def case_parallelize_refuses_different_models(rank, ws):
     """Through the public door: needs the check wired into DataParallel (the lead's line)."""
     import inspect
 
-    from aligndp import ddp
+    from aligndp.runtime import ddp
 
     if "check_ranks_agree" not in inspect.getsource(ddp):
         return  # not wired yet: test_parallelize_check_is_wired reports it
@@ -137,6 +149,7 @@ def case_parallelize_refuses_different_models(rank, ws):
 
 
 # ---- collectives that some ranks do not call ([Note: collective timeout]) ----
+
 
 def expect_out_of_step(fn, *patterns: str) -> None:
     started = time.monotonic()
@@ -155,8 +168,12 @@ def case_save_on_rank0_only_fails_within_the_timeout(rank, ws):
     model, opt = aligndp.parallelize(small(), lr=0.1)
     agreement.prepare_side_group(renew=True)
     if rank == 0:
-        expect_out_of_step(lambda: aligndp.save(where("rank0-only", ws), model, opt),
-                           "rank(s) 1 did not reach it within 2 s", "aligndp.save(", "not under `if rank == 0:`")
+        expect_out_of_step(
+            lambda: aligndp.save(where("rank0-only", ws), model, opt),
+            "rank(s) 1 did not reach it within 2 s",
+            "aligndp.save(",
+            "not under `if rank == 0:`",
+        )
         expect_out_of_step(lambda: aligndp.save(where("rank0-only", ws), model, opt), "end the job")
     dist.barrier()
     agreement.prepare_side_group(renew=True)  # gloo closed the timed-out group's connections
@@ -170,8 +187,11 @@ def case_load_on_rank0_only_fails_within_the_timeout(rank, ws):
     aligndp.save(where("load-rank0", ws), model, opt, step=3)
     agreement.prepare_side_group(renew=True)
     if rank == 0:
-        expect_out_of_step(lambda: aligndp.load(where("load-rank0", ws), model, opt),
-                           "rank(s) 1 did not reach it", "aligndp.load(")
+        expect_out_of_step(
+            lambda: aligndp.load(where("load-rank0", ws), model, opt),
+            "rank(s) 1 did not reach it",
+            "aligndp.load(",
+        )
     dist.barrier()
     agreement.prepare_side_group(renew=True)
 
@@ -183,14 +203,19 @@ def case_a_rank_left_behind_fails_on_both_ranks(rank, ws):
     agreement.prepare_side_group(renew=True)
     if rank == 1:
         time.sleep(TIMEOUT_S + 0.5)
-        expect_out_of_step(lambda: aligndp.save(where("behind", ws), model, opt), "rank 0 did not reach it")
+        expect_out_of_step(
+            lambda: aligndp.save(where("behind", ws), model, opt), "rank 0 did not reach it"
+        )
     else:
-        expect_out_of_step(lambda: aligndp.save(where("behind", ws), model, opt), "rank(s) 1 did not reach it")
+        expect_out_of_step(
+            lambda: aligndp.save(where("behind", ws), model, opt), "rank(s) 1 did not reach it"
+        )
     dist.barrier()
     agreement.prepare_side_group(renew=True)  # the next cases get working connections
 
 
 # ---- files: never lose a user's file ----
+
 
 @case(2)
 def case_save_onto_a_file_refuses_and_keeps_it(rank, ws):
@@ -198,7 +223,9 @@ def case_save_onto_a_file_refuses_and_keeps_it(rank, ws):
     model, opt = aligndp.parallelize(small(), lr=0.1)
     path = where("notes.txt", ws)
     on_rank0(lambda: write(path, "my notes"))
-    with pytest.raises(ValueError, match="which is a file; aligndp never deletes or renames your files"):
+    with pytest.raises(
+        ValueError, match="which is a file; aligndp never deletes or renames your files"
+    ):
         aligndp.save(path, model, opt)
     with open(path) as f:
         assert f.read() == "my notes" and not os.path.exists(path + ".old")
@@ -235,10 +262,13 @@ def case_disk_full_and_permission_errors_are_one_line_and_leave_nothing(rank, ws
     model, opt = aligndp.parallelize(small(), lr=0.1)
     path = where("full", ws)
     aligndp.save(path, model, opt, step=1)
-    for error, reason in ((OSError(errno.ENOSPC, "No space left on device", "x/__1_0.distcp"),
-                           "no space left on the device (x/__1_0.distcp)"),
-                          (PermissionError(errno.EACCES, "Permission denied", "x/__1_0.distcp"),
-                           "permission denied")):
+    for error, reason in (
+        (
+            OSError(errno.ENOSPC, "No space left on device", "x/__1_0.distcp"),
+            "no space left on the device (x/__1_0.distcp)",
+        ),
+        (PermissionError(errno.EACCES, "Permission denied", "x/__1_0.distcp"), "permission denied"),
+    ):
         original = inject_write_error(error, on_rank=1)
         try:
             with pytest.raises(OSError) as info:
@@ -246,24 +276,47 @@ def case_disk_full_and_permission_errors_are_one_line_and_leave_nothing(rank, ws
         finally:
             dcp.FileSystemWriter.write_data = original
         text = one_line(info.value)
-        assert reason in text and "failed on rank(s) [1]" in text and "nothing was left behind" in text, text
+        assert (
+            reason in text and "failed on rank(s) [1]" in text and "nothing was left behind" in text
+        ), text
         dist.barrier()
         assert not os.path.exists(path + ".partial"), "the partial checkpoint was left on the disk"
         assert aligndp.load(path, model, opt) == 1
 
 
 DAMAGES = {
-    "truncated shard": (lambda p: _truncate(os.path.join(p, "__1_0.distcp")), r"__1_0.distcp' is truncated: \d+ bytes"),
-    "missing shard": (lambda p: os.remove(os.path.join(p, "__0_0.distcp")), "__0_0.distcp' is missing"),
-    "truncated .metadata": (lambda p: _truncate(os.path.join(p, ".metadata")), r"\.metadata' is damaged"),
-    "missing .metadata": (lambda p: os.remove(os.path.join(p, ".metadata")), r"\.metadata' is missing"),
-    "empty aligndp.json": (lambda p: write(os.path.join(p, "aligndp.json"), ""),
-                           "aligndp.json' is damaged: empty"),
-    "corrupt aligndp.json": (lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3,'),
-                             "aligndp.json' is damaged: not valid JSON"),
-    "aligndp.json without shapes": (lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3}'),
-                                    r"lacks \['shapes'\]"),
-    "path is a file": (lambda p: (shutil.rmtree(p), write(p, "")), "is a file, not an aligndp checkpoint"),
+    "truncated shard": (
+        lambda p: _truncate(os.path.join(p, "__1_0.distcp")),
+        r"__1_0.distcp' is truncated: \d+ bytes",
+    ),
+    "missing shard": (
+        lambda p: os.remove(os.path.join(p, "__0_0.distcp")),
+        "__0_0.distcp' is missing",
+    ),
+    "truncated .metadata": (
+        lambda p: _truncate(os.path.join(p, ".metadata")),
+        r"\.metadata' is damaged",
+    ),
+    "missing .metadata": (
+        lambda p: os.remove(os.path.join(p, ".metadata")),
+        r"\.metadata' is missing",
+    ),
+    "empty aligndp.json": (
+        lambda p: write(os.path.join(p, "aligndp.json"), ""),
+        "aligndp.json' is damaged: empty",
+    ),
+    "corrupt aligndp.json": (
+        lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3,'),
+        "aligndp.json' is damaged: not valid JSON",
+    ),
+    "aligndp.json without shapes": (
+        lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3}'),
+        r"lacks \['shapes'\]",
+    ),
+    "path is a file": (
+        lambda p: (shutil.rmtree(p), write(p, "")),
+        "is a file, not an aligndp checkpoint",
+    ),
     "missing directory": (lambda p: shutil.rmtree(p), "the path does not exist"),
 }
 
@@ -308,6 +361,7 @@ def case_checkpoint_holds_rank0_buffers(rank, ws):
 
 # ---- a long run: memory flat, replicas bit-identical ----
 
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -316,8 +370,12 @@ def rss_bytes() -> int:
 @case(2)
 def case_thousand_steps_memory_flat_and_replicas_identical(rank, ws):
     torch.manual_seed(0)
-    model, opt = aligndp.parallelize(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)),
-                                     sharding="zero1", lr=1e-3, bucket_numel=64)
+    model, opt = aligndp.parallelize(
+        nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)),
+        sharding="zero1",
+        lr=1e-3,
+        bucket_numel=64,
+    )
     g = torch.Generator().manual_seed(rank)
     data = [torch.randn(8, 16, generator=g) for _ in range(10)]
     warm = None
@@ -333,7 +391,9 @@ def case_thousand_steps_memory_flat_and_replicas_identical(rank, ws):
     flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(ws)]
     dist.all_gather(everyone, flat)
-    assert all(torch.equal(everyone[0], other) for other in everyone), "replicas differ after 1,000 steps"
+    assert all(torch.equal(everyone[0], other) for other in everyone), (
+        "replicas differ after 1,000 steps"
+    )
 
 
 make_tests(globals())
@@ -341,13 +401,16 @@ make_tests(globals())
 
 # ---- one process ----
 
+
 def test_parallelize_check_is_wired():
     import inspect
 
-    from aligndp import ddp
+    from aligndp.runtime import ddp
 
     if "check_ranks_agree" not in inspect.getsource(ddp):
-        pytest.skip("DataParallel does not call aligndp.agreement.check_ranks_agree yet (the lead's line)")
+        pytest.skip(
+            "DataParallel does not call aligndp.runtime.agreement.check_ranks_agree yet (the lead's line)"
+        )
 
 
 def test_collective_timeout_reads_argument_env_and_default(monkeypatch):
@@ -371,6 +434,11 @@ def test_prune_checkpoints_keeps_the_newest_and_never_touches_other_files(tmp_pa
     (tmp_path / "notes.txt").write_text("keep me")
     deleted = prune_checkpoints(tmp_path, keep_last=2)
     assert sorted(os.path.basename(p) for p in deleted) == ["step-000100", "step-000200"]
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step-000050", "step-000300", "step-000400"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "notes.txt",
+        "step-000050",
+        "step-000300",
+        "step-000400",
+    ]
     with pytest.raises(ValueError, match="keep_last must be an integer >= 1, got 0"):
         prune_checkpoints(tmp_path, keep_last=0)

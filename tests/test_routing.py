@@ -1,4 +1,5 @@
 """route_params: which params Muon steps (block matrices) and which AdamW steps (the rest)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,7 @@ import pytest
 import torch.nn as nn
 
 from aligndp.models.gpt import GPT, PRESETS
-from aligndp.routing import Routing, route_params
+from aligndp.plan.routing import Routing, route_params
 
 BLOCK_MATRICES = ("qkv.weight", "proj.weight", "fc.weight", "out.weight")
 
@@ -34,7 +35,11 @@ def test_gpt_routes_exactly_the_block_matrices_to_muon(preset, tied):
         assert "head.weight" not in names  # the head IS tok.weight, routed once as the embedding
     else:
         assert why["head.weight"] == "output head"
-    assert all(why[n] == "1-D" for n in routing.adamw if n.endswith("bias") or ".ln" in n or n.startswith("ln."))
+    assert all(
+        why[n] == "1-D"
+        for n in routing.adamw
+        if n.endswith("bias") or ".ln" in n or n.startswith("ln.")
+    )
 
 
 def test_gpt_1b_on_meta_has_64_muon_matrices():
@@ -63,13 +68,22 @@ def test_tied_head_detected_by_identity_under_any_name():
 
 def test_override_by_predicate_and_by_pattern():
     model = gpt("demo")
-    only_mlp = route_params(model, muon_filter=lambda name, p, module: isinstance(module, nn.Linear)
-                            and p.ndim == 2 and name.endswith(("fc.weight", "out.weight")))
-    assert only_mlp.muon == tuple(n for n in block_matrices(2) if n.endswith(("fc.weight", "out.weight")))
+    only_mlp = route_params(
+        model,
+        muon_filter=lambda name, p, module: (
+            isinstance(module, nn.Linear)
+            and p.ndim == 2
+            and name.endswith(("fc.weight", "out.weight"))
+        ),
+    )
+    assert only_mlp.muon == tuple(
+        n for n in block_matrices(2) if n.endswith(("fc.weight", "out.weight"))
+    )
     by_pattern = route_params(model, muon_filter=["blocks.*.qkv.weight", "head.weight"])
     assert by_pattern.muon == ("blocks.0.qkv.weight", "blocks.1.qkv.weight", "head.weight")
     assert route_params(model, muon_filter="blocks.1.[qpfo]*.weight").muon == tuple(
-        n for n in block_matrices(2) if n.startswith("blocks.1."))
+        n for n in block_matrices(2) if n.startswith("blocks.1.")
+    )
 
 
 def test_frozen_params_are_not_routed():
@@ -95,4 +109,8 @@ def test_user_errors_are_clear():
 
 def test_printable():
     text = str(route_params(gpt("demo", tied=True)))
-    assert text.startswith("Muon (8 matrices):") and "tok.weight  [embedding]" in text and "head" not in text
+    assert (
+        text.startswith("Muon (8 matrices):")
+        and "tok.weight  [embedding]" in text
+        and "head" not in text
+    )

@@ -6,6 +6,7 @@ metrics ended as steps 0,1,2,3,6,7); a fresh run wrote over another run's files;
 into one --out both exited 0 with interleaved metrics; --out that is a file and Ctrl-C were
 tracebacks; a rank killed by a signal was reported as "their traceback is above".
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,9 @@ import time
 
 import pytest
 
-from aligndp import cli
-from aligndp.run_dir import LOCK_FILE, RunLock
-from aligndp.train_report import read_metrics
+from aligndp.app import cli
+from aligndp.app.run_dir import LOCK_FILE, RunLock
+from aligndp.app.train_report import read_metrics
 
 QUICK = ["--steps", "4", "--batch-size", "8", "--eval-every", "0", "--nproc", "1"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,9 @@ def train(*args: str, out) -> int:
 
 
 def error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s" not in line]
+    err = [
+        line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s" not in line
+    ]
     assert len(err) == 1, err
     return err[0]
 
@@ -48,16 +51,25 @@ def test_fresh_run_into_another_run_refuses_and_overwrite_keeps_user_files(tmp_p
     assert train("--overwrite", "--lr", "0.01", out=tmp_path) == 0
     assert json.loads((tmp_path / "run.json").read_text())["run_id"] != run["run_id"]
     assert (tmp_path / "my-notes.txt").read_text() == "mine"
-    assert not (tmp_path / "checkpoints" / "step-000002").exists(), "the old run's checkpoints must go"
+    assert not (tmp_path / "checkpoints" / "step-000002").exists(), (
+        "the old run's checkpoints must go"
+    )
 
 
 def test_resume_refuses_another_runs_checkpoints(tmp_path, capsys):
     """The earlier run had --lr 0.003; resuming with --lr 0.01 mixed two runs' metrics."""
     assert train("--checkpoint-every", "2", out=tmp_path) == 0
     capsys.readouterr()
-    assert train("--checkpoint-every", "2", "--resume", "--lr", "0.01", "--steps", "6", out=tmp_path) == 2
+    assert (
+        train("--checkpoint-every", "2", "--resume", "--lr", "0.01", "--steps", "6", out=tmp_path)
+        == 2
+    )
     line = error_line(capsys)
-    assert "--resume: " in line and "--lr 0.003 there, 0.01 now" in line and "--steps 4 there, 6 now" in line, line
+    assert (
+        "--resume: " in line
+        and "--lr 0.003 there, 0.01 now" in line
+        and "--steps 4 there, 6 now" in line
+    ), line
     os.remove(tmp_path / "checkpoints" / "run.json")
     os.remove(tmp_path / "run.json")
     assert train("--checkpoint-every", "2", "--resume", out=tmp_path) == 2
@@ -69,13 +81,19 @@ def test_resume_of_its_own_run_continues(tmp_path):
     first = read_metrics(tmp_path / "metrics.jsonl")
     run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
     assert train("--checkpoint-every", "2", "--resume", out=tmp_path) == 0
-    assert read_metrics(tmp_path / "metrics.jsonl") == first  # resumed at its last step: nothing left to do
+    assert (
+        read_metrics(tmp_path / "metrics.jsonl") == first
+    )  # resumed at its last step: nothing left to do
     assert json.loads((tmp_path / "run.json").read_text())["run_id"] == run_id
 
 
 def test_keep_last_keeps_the_newest_checkpoints(tmp_path):
     assert train("--steps", "8", "--checkpoint-every", "2", "--keep-last", "2", out=tmp_path) == 0
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["run.json", "step-000006", "step-000008"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "run.json",
+        "step-000006",
+        "step-000008",
+    ]
 
 
 def test_a_second_run_into_a_locked_out_refuses_and_a_stale_lock_is_taken_over(tmp_path, capsys):
@@ -84,7 +102,9 @@ def test_a_second_run_into_a_locked_out_refuses_and_a_stale_lock_is_taken_over(t
         (tmp_path / LOCK_FILE).write_text(f"{holder.pid} {os.uname().nodename}\n")
         assert train(out=tmp_path) == 2
         line = error_line(capsys)
-        assert f"another aligndp train (pid {holder.pid} on" in line and "is writing to" in line, line
+        assert f"another aligndp train (pid {holder.pid} on" in line and "is writing to" in line, (
+            line
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -94,17 +114,45 @@ def test_a_second_run_into_a_locked_out_refuses_and_a_stale_lock_is_taken_over(t
 
 def test_two_runs_at_once_one_refuses(tmp_path):
     """Two real runs into one --out: the second one fails at once with the lock message."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
-    first = subprocess.Popen([sys.executable, "-m", "aligndp", "train", *QUICK, "--steps", "400", "--out",
-                              str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aligndp",
+            "train",
+            *QUICK,
+            "--steps",
+            "400",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        second = subprocess.run([sys.executable, "-m", "aligndp", "train", *QUICK, "--out", str(tmp_path)],
-                                env=env, capture_output=True, text=True, timeout=60, check=False)
+        second = subprocess.run(
+            [sys.executable, "-m", "aligndp", "train", *QUICK, "--out", str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert second.returncode == 2, second.stderr
-        assert f"is writing to {tmp_path}" in second.stderr and second.stderr.count("\n") == 1, second.stderr
+        assert f"is writing to {tmp_path}" in second.stderr and second.stderr.count("\n") == 1, (
+            second.stderr
+        )
     finally:
         first.kill()
         first.wait()
@@ -128,7 +176,9 @@ def test_data_that_is_a_directory(tmp_path, capsys):
 def test_layout_png_paths(tmp_path, capsys):
     base = ["layout", "--preset", "demo", "--dp", "2"]
     assert cli.main([*base, "--png", str(tmp_path / "missing" / "x.png")]) == 2
-    assert f"the directory {tmp_path / 'missing'} does not exist; create it first" in error_line(capsys)
+    assert f"the directory {tmp_path / 'missing'} does not exist; create it first" in error_line(
+        capsys
+    )
     assert cli.main([*base, "--png", str(tmp_path)]) == 2
     assert f"--png {tmp_path} is a directory; give a file name" in error_line(capsys)
     assert cli.main([*base, "--png", str(tmp_path / "picture")]) == 0
@@ -138,10 +188,32 @@ def test_layout_png_paths(tmp_path, capsys):
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C in a terminal signals the launcher and both ranks: a 40-line traceback before."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "aligndp", "train", *QUICK, "--nproc", "2", "--steps", "2000",
-                             "--out", str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aligndp",
+            "train",
+            *QUICK,
+            "--nproc",
+            "2",
+            "--steps",
+            "2000",
+            "--out",
+            str(tmp_path),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
@@ -164,7 +236,7 @@ def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal\n"
-        "import aligndp.train_loop as loop\n"
+        "import aligndp.app.train_loop as loop\n"
         "original = loop._train_step\n"
         "def dying(job, step):\n"
         "    if step == 3 and job.rank == 1:\n"
@@ -173,8 +245,23 @@ def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
         "loop._train_step = dying\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    assert cli.main(["train", *QUICK, "--nproc", "2", "--steps", "6", "--timeout", "10",
-                     "--out", str(tmp_path / "run")]) == 1
+    assert (
+        cli.main(
+            [
+                "train",
+                *QUICK,
+                "--nproc",
+                "2",
+                "--steps",
+                "6",
+                "--timeout",
+                "10",
+                "--out",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "aligndp train: error: " in err and "rank 1 (killed by SIGKILL)" in err, err
     assert not (tmp_path / "run" / LOCK_FILE).exists()
@@ -187,7 +274,7 @@ def test_a_rank_left_behind_ends_the_run_within_timeout(tmp_path, capsys, monkey
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import time\n"
-        "import aligndp.train_loop as loop\n"
+        "import aligndp.app.train_loop as loop\n"
         "original = loop._train_step\n"
         "def stalling(job, step):\n"
         "    if step == 3 and job.rank == 1:\n"
@@ -197,8 +284,23 @@ def test_a_rank_left_behind_ends_the_run_within_timeout(tmp_path, capsys, monkey
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     started = time.monotonic()
-    assert cli.main(["train", *QUICK, "--nproc", "2", "--steps", "6", "--timeout", "5",
-                     "--out", str(tmp_path / "run")]) == 1
+    assert (
+        cli.main(
+            [
+                "train",
+                *QUICK,
+                "--nproc",
+                "2",
+                "--steps",
+                "6",
+                "--timeout",
+                "5",
+                "--out",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 1
+    )
     took = time.monotonic() - started
     assert took < 40, f"took {took:.0f} s with --timeout 5"
     assert "aligndp train: error: rank 0 (exit status 1) failed" in capsys.readouterr().err
@@ -215,7 +317,9 @@ def test_a_full_disk_at_a_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
     assert train("--checkpoint-every", "2", out=tmp_path) == 2
     line = error_line(capsys)
-    assert "step-000002' failed on rank(s) [0]: no space left on the device (__0_0.distcp)" in line, line
+    assert (
+        "step-000002' failed on rank(s) [0]: no space left on the device (__0_0.distcp)" in line
+    ), line
     assert not (tmp_path / "checkpoints" / "step-000002.partial").exists()
 
 

@@ -7,6 +7,7 @@ the 8 slices), and layer-wise Muon (owners balanced over 8 ranks, fewer matrices
 in one net), each compared step by step with torch's optimizer on one process with the
 global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import aligndp
-from aligndp.layout import Mode
-from aligndp.routing import route_params
+from aligndp.plan.layout import Mode
+from aligndp.plan.routing import route_params
 from tests._dist import case, make_tests
 from tests.test_muon import BASE, ONE_MATRIX, VOCAB, fp32_newton_schulz, make_net
 
@@ -53,7 +54,9 @@ def compare_with_one_process(model, opt, ref, ref_opts, *, rel: float, what: str
         flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
         every = [torch.empty_like(flat) for _ in range(ws)]
         dist.all_gather(every, flat)
-        assert all(torch.equal(every[0], f) for f in every[1:]), f"{what} step {step}: replicas differ"
+        assert all(torch.equal(every[0], f) for f in every[1:]), (
+            f"{what} step {step}: replicas differ"
+        )
         for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
             err = rel_error(p, q)
             assert err <= rel, f"{what} step {step} {n}: relative error {err:.2e} > {rel}"
@@ -62,30 +65,44 @@ def compare_with_one_process(model, opt, ref, ref_opts, *, rel: float, what: str
 @case(8)
 def case_ddp_several_buckets_sgd(rank, ws):
     """Plain DDP, 4+ buckets, SGD with momentum (a gradient-scale error would show)."""
-    model, opt = aligndp.parallelize(make_net(BASE), optimizer="sgd", lr=0.1, momentum=0.9, bucket_numel=150)
+    model, opt = aligndp.parallelize(
+        make_net(BASE), optimizer="sgd", lr=0.1, momentum=0.9, bucket_numel=150
+    )
     assert len(model.bucket_refs) >= 4
     ref = make_net(BASE)
-    compare_with_one_process(model, opt, ref, [torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)],
-                             rel=1e-5, what="ddp")
+    compare_with_one_process(
+        model,
+        opt,
+        ref,
+        [torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)],
+        rel=1e-5,
+        what="ddp",
+    )
 
 
 @case(8)
 def case_zero1_param_groups(rank, ws):
     """ZeRO-1 AdamW with two param groups: every param is cut by some of the 8 slices."""
+
     def groups(name, p):
         return {"weight_decay": 0.0 if p.ndim < 2 else 0.1}
 
-    model, opt = aligndp.parallelize(make_net(BASE), sharding="zero1", lr=1e-2, bucket_numel=300,
-                                     param_groups=groups)
+    model, opt = aligndp.parallelize(
+        make_net(BASE), sharding="zero1", lr=1e-2, bucket_numel=300, param_groups=groups
+    )
     assert {layout.mode for layout in model.layouts} == {Mode.SHARDED}
     owned = sum(p.segment.numel for p in opt.pieces)
     total = [torch.tensor([owned])]
     dist.all_reduce(total[0])
     assert int(total[0]) == sum(p.numel() for p in model.module.parameters())
     ref = make_net(BASE)
-    ref_groups = [{"params": [p for p in ref.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in ref.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    compare_with_one_process(model, opt, ref, [torch.optim.AdamW(ref_groups, lr=1e-2)], rel=1e-6, what="zero1")
+    ref_groups = [
+        {"params": [p for p in ref.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in ref.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    compare_with_one_process(
+        model, opt, ref, [torch.optim.AdamW(ref_groups, lr=1e-2)], rel=1e-6, what="zero1"
+    )
 
 
 @case(8)
@@ -93,13 +110,21 @@ def case_layerwise_muon(rank, ws):
     """Layer-wise Muon at dp 8: every matrix has exactly one owner, the rest is ZeRO-1 AdamW."""
     for shape in (BASE, ONE_MATRIX):
         with fp32_newton_schulz():
-            model, opt = aligndp.parallelize(make_net(shape), optimizer="muon", sharding="zero1", lr=0.02,
-                                             adamw_lr=0.01, bucket_numel=150)
+            model, opt = aligndp.parallelize(
+                make_net(shape),
+                optimizer="muon",
+                sharding="zero1",
+                lr=0.02,
+                adamw_lr=0.01,
+                bucket_numel=150,
+            )
             ref = make_net(shape)
             routing = route_params(ref)
             named = dict(ref.named_parameters())
-            ref_opts = [torch.optim.Muon([named[n] for n in routing.muon], lr=0.02),
-                        torch.optim.AdamW([named[n] for n in routing.adamw], lr=0.01)]
+            ref_opts = [
+                torch.optim.Muon([named[n] for n in routing.muon], lr=0.02),
+                torch.optim.AdamW([named[n] for n in routing.adamw], lr=0.01),
+            ]
             compare_with_one_process(model, opt, ref, ref_opts, rel=1e-5, what=f"muon {shape}")
         muon = opt.parts[0]
         mine = [muon.names[i] for i in muon.owned]

@@ -9,6 +9,7 @@ rewritten (01d84d4) every row's case fails: another model than torch DDP's, a ha
 error that names no alternative; cases marked "guard" pin behaviour that was right there.
 Muon modes run Newton–Schulz in fp32 on both sides (tests/_habits_models.py says why).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,11 +55,13 @@ from tests._habits_models import (
 def grads_are_main_grad_views(model) -> None:
     """[Note: step states]: after a synced backward a replicated param's ``p.grad`` IS its reduced view."""
     for n, p in model.module.named_parameters():
-        assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), \
+        assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), (
             f"{n}: p.grad must be the reduced main_grad view after backward() returns"
+        )
 
 
 # ---- p.grad after backward(): clipping, logging, GradScaler ----
+
 
 @case(2, 3)
 def case_clip_grad_norm_on_model_parameters_matches_torch_ddp(rank, ws):
@@ -119,8 +122,9 @@ def case_grad_scaler_fp16_autocast_matches_torch_ddp(rank, ws):
         opt.zero_grad()
         ref.zero_grad()
         assert_close(norms[0], norms[1], f"step {step} norm")
-        assert scalers[0].get_scale() == scalers[1].get_scale(), \
+        assert scalers[0].get_scale() == scalers[1].get_scale(), (
             f"step {step}: scale {scalers[0].get_scale()} vs torch DDP {scalers[1].get_scale()}"
+        )
         assert_params_match(model.module, ref.module, f"step {step}")
 
 
@@ -131,22 +135,27 @@ def case_sharded_grads_refuse_torch_ops_and_opt_clip_grad_norm_matches(rank, ws)
     naming ``opt.clip_grad_norm_`` and ``max_grad_norm``; ``opt.grad_norm()`` returns the global
     norm torch computes on torch DDP's grads, ``opt.clip_grad_norm_(c)`` clips by it (every
     mode, "none" too). Was: torch's call returned 0.0 and clipped nothing, silently."""
-    from aligndp.grads import ShardedGrad
+    from aligndp.runtime.grads import ShardedGrad
 
     clip = 0.25
     for mode in ("zero1", "muon zero1", "none"):
         with newton_schulz_fp32(mode):
             kwargs = {} if mode.startswith("muon") else {"optimizer": "sgd", "lr": 0.5}
             model, opt = wrap(make_net(), mode, **kwargs)
-            ref = TorchDDP(make_net(), mode, **({} if mode.startswith("muon") else
-                                                 {"optimizer": torch.optim.SGD, "lr": 0.5}))
+            ref = TorchDDP(
+                make_net(),
+                mode,
+                **({} if mode.startswith("muon") else {"optimizer": torch.optim.SGD, "lr": 0.5}),
+            )
             norms = []
             for step in range(3):
                 backward_on(model, step, rank, ws)
                 backward_on(ref.model, step, rank, ws)
                 if mode != "none":
                     for n, p in model.module.named_parameters():
-                        assert isinstance(p.grad, ShardedGrad), f"{mode}: {n}.grad is {type(p.grad).__name__}"
+                        assert isinstance(p.grad, ShardedGrad), (
+                            f"{mode}: {n}.grad is {type(p.grad).__name__}"
+                        )
                     with pytest.raises(TypeError, match=r"opt\.clip_grad_norm_") as error:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                     assert "max_grad_norm" in str(error.value), str(error.value)
@@ -156,10 +165,16 @@ def case_sharded_grads_refuse_torch_ops_and_opt_clip_grad_norm_matches(rank, ws)
                 norms.append(float(theirs))
                 read = opt.grad_norm()
                 assert_close(read, theirs, f"{mode} step {step} opt.grad_norm()")
-                assert_close(opt.grad_norm(), read, f"{mode} step {step}: grad_norm() must not clip", rel=0)
-                assert_close(opt.clip_grad_norm_(clip), theirs, f"{mode} step {step} opt.clip_grad_norm_")
+                assert_close(
+                    opt.grad_norm(), read, f"{mode} step {step}: grad_norm() must not clip", rel=0
+                )
+                assert_close(
+                    opt.clip_grad_norm_(clip), theirs, f"{mode} step {step} opt.clip_grad_norm_"
+                )
                 step_both(model, opt, ref, f"{mode} step {step}")
-            assert min(norms) < clip < max(norms), f"{mode}: the threshold must split the steps: {norms}"
+            assert min(norms) < clip < max(norms), (
+                f"{mode}: the threshold must split the steps: {norms}"
+            )
 
 
 @case(2, 3)
@@ -184,6 +199,7 @@ def case_grad_scaler_refused_in_sharded_modes(rank, ws):
 
 # ---- zero_grad and accumulation ----
 
+
 @case(2, 3)
 def case_model_zero_grad_is_opt_zero_grad(rank, ws):
     """Row: ``model.zero_grad()`` (the wrapper) or ``model.module.zero_grad()`` instead of
@@ -200,7 +216,9 @@ def case_model_zero_grad_is_opt_zero_grad(rank, ws):
                     ref.step()
                     (model if how == "model.zero_grad()" else model.module).zero_grad()
                     ref.zero_grad()
-                    assert all(p.grad is None for p in model.module.parameters()), f"{how} left grads visible"
+                    assert all(p.grad is None for p in model.module.parameters()), (
+                        f"{how} left grads visible"
+                    )
                     assert_params_match(model.module, ref.module, f"{mode} {how} step {step}")
 
 
@@ -219,10 +237,16 @@ def case_two_synced_backwards_without_zero_grad_accumulate_like_torch(rank, ws):
                 for k, (idx, tgt, share) in enumerate(micro_batches(step, rank, ws, 2)):
                     for m in (model, ref.model):
                         (share * loss_of(m, idx, tgt)).backward()
-                    theirs = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in ref.module.parameters()]))
-                    assert_close(opt.grad_norm(), theirs, f"{mode} step {step} norm after backward {k}")
+                    theirs = torch.linalg.vector_norm(
+                        torch.stack([q.grad.norm() for q in ref.module.parameters()])
+                    )
+                    assert_close(
+                        opt.grad_norm(), theirs, f"{mode} step {step} norm after backward {k}"
+                    )
                     if mode == "none":
-                        for (n, p), q in zip(model.module.named_parameters(), ref.module.parameters()):
+                        for (n, p), q in zip(
+                            model.module.named_parameters(), ref.module.parameters()
+                        ):
                             assert_close(p.grad, q.grad, f"step {step} backward {k} grad of {n}")
                 step_both(model, opt, ref, f"{mode} step {step}")
 
@@ -243,7 +267,9 @@ def case_backward_after_step_without_zero_grad_adds_to_old_grads(rank, ws):
                 assert_params_match(model.module, ref.module, f"{mode} step {step}")
             if mode == "none":
                 for n, p in model.module.named_parameters():
-                    assert_close(p.grad, dict(ref.module.named_parameters())[n].grad, f"summed grad of {n}")
+                    assert_close(
+                        p.grad, dict(ref.module.named_parameters())[n].grad, f"summed grad of {n}"
+                    )
 
 
 @case(2, 3)
@@ -274,6 +300,7 @@ def case_main_grad_written_after_zero_grad_is_reduced(rank, ws):
 
 
 # ---- optimizer state, param groups ----
+
 
 def assert_state_dicts_equal(a, b, where: str = "state_dict") -> None:
     if isinstance(a, torch.Tensor):
@@ -315,7 +342,9 @@ def case_opt_state_dict_round_trip_continues_identically(rank, ws):
                     o.step()
                     o.zero_grad()
                 for (n, p), q in zip(first.module.named_parameters(), second.module.parameters()):
-                    assert torch.equal(p, q), f"{mode} step {step} {n}: the reloaded optimizer diverged"
+                    assert torch.equal(p, q), (
+                        f"{mode} step {step} {n}: the reloaded optimizer diverged"
+                    )
 
 
 @case(2, 3)
@@ -341,19 +370,26 @@ def case_opt_load_state_dict_of_another_layout_refused(rank, ws):
         "zero1 into none": ("none", trained("zero1")),
         "none into zero1": ("zero1", trained("none")),
         "zero1 one bucket into zero1": ("zero1", trained("zero1", bucket_numel=None)),
-        "plain torch AdamW into none": ("none", torch.optim.AdamW(make_net().parameters()).state_dict()),
+        "plain torch AdamW into none": (
+            "none",
+            torch.optim.AdamW(make_net().parameters()).state_dict(),
+        ),
     }
     wrong = []
     for what, (mode, sd) in others.items():
         try:
             target[mode].load_state_dict(sd)
         except Exception as e:  # noqa: BLE001  collect every way it fails, then report them all
-            if not (isinstance(e, ValueError) and "aligndp.save" in str(e) and "aligndp.load" in str(e)):
+            if not (
+                isinstance(e, ValueError) and "aligndp.save" in str(e) and "aligndp.load" in str(e)
+            ):
                 wrong.append(f"{what}: {type(e).__name__}: {e}")
         else:
             wrong.append(f"{what}: loaded without an error")
-    assert not wrong, "a state dict of another layout must raise ValueError naming aligndp.save/aligndp.load:\n" + \
-        "\n".join(wrong)
+    assert not wrong, (
+        "a state dict of another layout must raise ValueError naming aligndp.save/aligndp.load:\n"
+        + "\n".join(wrong)
+    )
 
 
 def group_spec():
@@ -362,7 +398,11 @@ def group_spec():
     a = ["emb.weight", "fc1.weight"]
     b = ["fc1.bias", "fc2.bias", "mix.bias"]
     c = ["fc2.weight", "mix.weight", "head.weight"]
-    return [(a, {"weight_decay": 0.1, "lr": 2 * LR}), (b, {"weight_decay": 0.0}), (c, {"weight_decay": 0.05})]
+    return [
+        (a, {"weight_decay": 0.1, "lr": 2 * LR}),
+        (b, {"weight_decay": 0.0}),
+        (c, {"weight_decay": 0.05}),
+    ]
 
 
 @case(2, 3)
@@ -375,7 +415,9 @@ def case_param_groups_and_lr_schedulers_match_torch_ddp(rank, ws):
     spec = group_spec()
     options_of = {n: options for names, options in spec for n in names}
     forms = {
-        "tensors": lambda net: [{"params": [dict(net.named_parameters())[n] for n in names], **o} for names, o in spec],
+        "tensors": lambda net: [
+            {"params": [dict(net.named_parameters())[n] for n in names], **o} for names, o in spec
+        ],
         "names": lambda net: [{"params": list(names), **o} for names, o in spec],
         "callable": lambda net: lambda name, p: dict(options_of[name]),
     }
@@ -387,16 +429,25 @@ def case_param_groups_and_lr_schedulers_match_torch_ddp(rank, ws):
                 net = make_net()
                 model, opt = wrap(net, mode, param_groups=groups_of(net))
                 ref = TorchDDP(make_net(), mode, groups=spec)
-                assert len(opt.param_groups) == len(ref.param_groups), \
+                assert len(opt.param_groups) == len(ref.param_groups), (
                     f"{mode} {form}: {len(opt.param_groups)} groups, torch {len(ref.param_groups)}"
+                )
                 for k, (ours, theirs) in enumerate(zip(opt.param_groups, ref.param_groups)):
                     for key in ("lr", "weight_decay"):
-                        assert ours[key] == theirs[key], f"{mode} {form} group {k} {key}: {ours[key]} vs {theirs[key]}"
-                lambdas = [lambda s, k=k: 1.0 / (1.0 + (k + 1) * s) for k in range(len(opt.param_groups))]
+                        assert ours[key] == theirs[key], (
+                            f"{mode} {form} group {k} {key}: {ours[key]} vs {theirs[key]}"
+                        )
+                lambdas = [
+                    lambda s, k=k: 1.0 / (1.0 + (k + 1) * s) for k in range(len(opt.param_groups))
+                ]
                 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
                 ref_scheds, start = [], 0
                 for o in ref.opts:
-                    ref_scheds.append(torch.optim.lr_scheduler.LambdaLR(o, lambdas[start:start + len(o.param_groups)]))
+                    ref_scheds.append(
+                        torch.optim.lr_scheduler.LambdaLR(
+                            o, lambdas[start : start + len(o.param_groups)]
+                        )
+                    )
                     start += len(o.param_groups)
                 for step in range(3):
                     backward_on(model, step, rank, ws)
@@ -408,13 +459,16 @@ def case_param_groups_and_lr_schedulers_match_torch_ddp(rank, ws):
                     for s in ref_scheds:
                         s.step()
                     ref.zero_grad()
-                    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+                    assert [g["lr"] for g in opt.param_groups] == [
+                        g["lr"] for g in ref.param_groups
+                    ]
                     assert_params_match(model.module, ref.module, f"{mode} {form} step {step}")
                 with pytest.raises(ValueError, match="param_groups="):
                     opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 0.1})
 
 
 # ---- unused params, changing usage ----
+
 
 @case(2, 3)
 def case_param_unused_on_every_rank_is_not_stepped(rank, ws):
@@ -432,15 +486,18 @@ def case_param_unused_on_every_rank_is_not_stepped(rank, ws):
                 backward_on(ref.model, step, rank, ws, skip_mix=skip)
                 if skip:
                     for n in ("mix.weight", "mix.bias"):
-                        assert dict(model.module.named_parameters())[n].grad is None, f"{mode}: {n}.grad is set"
+                        assert dict(model.module.named_parameters())[n].grad is None, (
+                            f"{mode}: {n}.grad is set"
+                        )
                 opt.step()
                 opt.zero_grad()
                 ref.step()
                 ref.zero_grad()
                 if skip:
                     for n in ("mix.weight", "mix.bias"):
-                        assert torch.equal(dict(model.module.named_parameters())[n], before[n]), \
+                        assert torch.equal(dict(model.module.named_parameters())[n], before[n]), (
                             f"{mode}: {n} moved in a step where no rank used it"
+                        )
                 assert_params_match(model.module, ref.module, f"{mode} step {step}")
 
 
@@ -460,7 +517,9 @@ def case_param_usage_changing_between_steps_matches_torch_ddp(rank, ws):
                 backward_on(ref.model, step, rank, ws, skip_mix=not used)
                 if mode == "none":
                     for (n, p), q in zip(model.module.named_parameters(), ref.module.parameters()):
-                        assert (p.grad is None) == (q.grad is None), f"step {step} {n}: grad {p.grad is None=}"
+                        assert (p.grad is None) == (q.grad is None), (
+                            f"step {step} {n}: grad {p.grad is None=}"
+                        )
                         if q.grad is not None:
                             assert_close(p.grad, q.grad, f"step {step} grad of {n}")
                 step_both(model, opt, ref, f"{mode} step {step}")
@@ -475,7 +534,17 @@ def case_zero_grad_set_to_none_false_steps_unused_params_like_torch(rank, ws):
         model, opt = wrap(make_net(), mode)
         ref = TorchDDP(make_net(), mode, find_unused=True)
         for step in range(3):
-            train_step_both(model, opt, ref, step, rank, ws, f"{mode} step {step}", skip_mix=step > 0, set_to_none=False)
+            train_step_both(
+                model,
+                opt,
+                ref,
+                step,
+                rank,
+                ws,
+                f"{mode} step {step}",
+                skip_mix=step > 0,
+                set_to_none=False,
+            )
 
 
 @case(2, 3)
@@ -514,11 +583,14 @@ def case_requires_grad_false_after_wrapping_freezes_the_layer(rank, ws):
                 ref.zero_grad()
                 if step >= 1:
                     for n, p in model.module.fc1.named_parameters():
-                        assert torch.equal(p, frozen[n]), f"{mode} step {step}: frozen fc1.{n} moved"
+                        assert torch.equal(p, frozen[n]), (
+                            f"{mode} step {step}: frozen fc1.{n} moved"
+                        )
                 assert_params_match(model.module, ref.module, f"{mode} step {step}")
 
 
 # ---- buffers, loading weights, wrapping ----
+
 
 @case(2, 3)
 def case_batchnorm_buffers_broadcast_like_torch_ddp(rank, ws):
@@ -530,7 +602,9 @@ def case_batchnorm_buffers_broadcast_like_torch_ddp(rank, ws):
             model, opt = wrap(seeded(BatchNormNet), mode, broadcast_buffers=broadcast)
             ref = TorchDDP(seeded(BatchNormNet), mode, forward_sync_buffers=broadcast)
             for step in range(3):
-                train_step_both(model, opt, ref, step, rank, ws, f"{mode} broadcast={broadcast} step {step}")
+                train_step_both(
+                    model, opt, ref, step, rank, ws, f"{mode} broadcast={broadcast} step {step}"
+                )
                 for (n, b), c in zip(model.module.named_buffers(), ref.module.buffers()):
                     assert_close(b, c, f"{mode} broadcast={broadcast} step {step} buffer {n}")
             mean = model.module.norm.running_mean
@@ -547,7 +621,9 @@ def case_batchnorm_buffers_broadcast_like_torch_ddp(rank, ws):
                     fresh, fresh_opt = wrap(seeded(BatchNormNet), mode)
                     aligndp.load(path, fresh, fresh_opt)
                 for n, b in fresh.module.named_buffers():
-                    assert torch.equal(b, rank0[n]), f"buffer {n} after aligndp.save/load is not rank 0's"
+                    assert torch.equal(b, rank0[n]), (
+                        f"buffer {n} after aligndp.save/load is not rank 0's"
+                    )
             if broadcast:  # eval through the wrapper: rank 0's statistics everywhere
                 model.eval()
                 with torch.no_grad():
@@ -555,7 +631,9 @@ def case_batchnorm_buffers_broadcast_like_torch_ddp(rank, ws):
                 model.train()
                 outs = [torch.empty_like(out) for _ in range(ws)]
                 dist.all_gather(outs, out.contiguous())
-                assert all(torch.equal(o, outs[0]) for o in outs), f"{mode}: eval outputs differ between ranks"
+                assert all(torch.equal(o, outs[0]) for o in outs), (
+                    f"{mode}: eval outputs differ between ranks"
+                )
 
 
 def loaded_bf16_weights() -> dict[str, torch.Tensor]:
@@ -589,7 +667,9 @@ def assert_written_weights_survive_a_step_at_lr_0(rank, ws, mode: str, how: str)
     opt.step()
     opt.zero_grad()
     for n, p in model.module.named_parameters():
-        assert torch.equal(p.detach(), loaded[n]), f"{mode} {how}: {n} is not the written weight after a step at lr 0"
+        assert torch.equal(p.detach(), loaded[n]), (
+            f"{mode} {how}: {n} is not the written weight after a step at lr 0"
+        )
 
 
 @case(2, 3)
@@ -650,11 +730,14 @@ def case_wrapping_again_moves_the_gradients_to_the_new_wrapper(rank, ws):
             backward_on(ref.model, 0, rank, ws)
             ref.step()
             ref.zero_grad()
-            ref.opts = [torch.optim.AdamW(ref.module.parameters(), lr=LR)]  # the second wrap's fresh optimizer
+            ref.opts = [
+                torch.optim.AdamW(ref.module.parameters(), lr=LR)
+            ]  # the second wrap's fresh optimizer
             for step in range(1, 4):
                 backward_on(model, step, rank, ws)
-                assert all(p.main_grad.abs().sum() > 0 for p in model.module.parameters()), \
+                assert all(p.main_grad.abs().sum() > 0 for p in model.module.parameters()), (
                     f"{mode} keep={keep}: the new wrapper's main_grad stayed zero"
+                )
                 backward_on(ref.model, step, rank, ws)
                 step_both(model, opt, ref, f"{mode} keep={keep} step {step}")
 
@@ -673,6 +756,7 @@ def case_meta_device_module_refused_naming_to_empty(rank, ws):
 
 
 # ---- optimizers ----
+
 
 @case(2, 3)
 def case_zero1_rmsprop_and_adagrad_match_torch_ddp(rank, ws):
@@ -693,16 +777,21 @@ def case_zero1_refuses_non_elementwise_optimizers(rank, ws):
     for opt_class in (torch.optim.Muon, NormalisedSGD):
         with pytest.raises(ValueError, match="elementwise|element depends") as error:
             wrap(make_net(), "zero1", optimizer=opt_class)
-        assert "optimizer='muon'" in str(error.value) and "sharding='none'" in str(error.value), str(error.value)
+        assert "optimizer='muon'" in str(error.value) and "sharding='none'" in str(error.value), (
+            str(error.value)
+        )
 
 
 # ---- non-finite gradients on one rank ----
+
 
 def poison_on(rank: int, param: nn.Parameter, value: float = math.nan):
     """A gradient hook that puts ``value`` into one element of ``param``'s local gradient on ``rank`` only."""
     if dist.get_rank() != rank:
         return contextlib.nullcontext()
-    handle = param.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([1]), value).view_as(g))
+    handle = param.register_hook(
+        lambda g: g.flatten().index_fill(0, torch.tensor([1]), value).view_as(g)
+    )
 
     @contextlib.contextmanager
     def scope():
@@ -732,7 +821,9 @@ def case_nonfinite_on_one_rank_skips_the_step_on_every_rank(rank, ws):
                     opt.zero_grad()
                     for n, p in model.module.named_parameters():
                         assert torch.equal(p, params[n]), f"{mode}: {n} moved in a skipped step"
-                    assert_state_dicts_equal(opt.state_dict(), state, f"{mode} optimizer state after the skip")
+                    assert_state_dicts_equal(
+                        opt.state_dict(), state, f"{mode} optimizer state after the skip"
+                    )
                     assert opt.skipped_steps == 1, f"{mode}: skipped_steps {opt.skipped_steps}"
                     continue
                 backward_on(model, step, rank, ws)
@@ -765,11 +856,12 @@ def case_nonfinite_on_one_rank_raises_on_every_rank_naming_param_and_rank(rank, 
 
 # ---- overlap_param_gather ----
 
+
 @contextlib.contextmanager
 def slow_param_gathers():
     """Every param all-gather lands in its output only when waited for: a slow network, made
     deterministic, so a missing wait reads stale weights every time (FSDP2's delay injection)."""
-    import aligndp.collectives as collectives
+    import aligndp.runtime.collectives as collectives
 
     real = collectives._all_gather
 
@@ -798,7 +890,9 @@ def slow_param_gathers():
 
     with mock.patch.object(collectives, "_all_gather", delayed):
         yield
-    assert calls, "no param all-gather went through aligndp.collectives._all_gather: the delay was not injected"
+    assert calls, (
+        "no param all-gather went through aligndp.runtime.collectives._all_gather: the delay was not injected"
+    )
 
 
 @case(2, 3)
@@ -819,7 +913,9 @@ def case_overlap_param_gather_state_dict_waits_for_the_gather(rank, ws):
             runs[overlap] = states
     for step, (plain, overlapped) in enumerate(zip(runs[False], runs[True])):
         for k in plain:
-            assert torch.equal(plain[k], overlapped[k]), f"step {step} {k}: state_dict() read before the gather landed"
+            assert torch.equal(plain[k], overlapped[k]), (
+                f"step {step} {k}: state_dict() read before the gather landed"
+            )
 
 
 @case(2, 3)
@@ -843,8 +939,12 @@ def case_weight_read_outside_its_module_with_overlap_param_gather_raises(rank, w
                 break
             opt.step()
             opt.zero_grad()
-        assert error is not None, "a forward that read head.weight before its gather landed passed silently"
-        assert "head.weight" in str(error) and "overlap_param_gather=False" in str(error), str(error)
+        assert error is not None, (
+            "a forward that read head.weight before its gather landed passed silently"
+        )
+        assert "head.weight" in str(error) and "overlap_param_gather=False" in str(error), str(
+            error
+        )
         opt.zero_grad()
         model, opt = wrap(seeded(HeadReadNet), "zero1", overlap_param_gather=False)
         ref = TorchDDP(seeded(HeadReadNet), "zero1")
@@ -853,6 +953,7 @@ def case_weight_read_outside_its_module_with_overlap_param_gather_raises(rank, w
 
 
 # ---- uneven inputs (last: a failure here may leave the process group out of step) ----
+
 
 @case(2, 3)
 def case_join_uneven_inputs_raise_on_every_rank_within_seconds(rank, ws):

@@ -4,6 +4,7 @@ The 2-rank runs go through the real path (`cli.main` -> elastic launcher -> 2 gl
 each costs a few seconds, so a module-scoped fixture runs the main one once. 1-rank runs train
 in this process.
 """
+
 import argparse
 import json
 import math
@@ -14,10 +15,10 @@ import shutil
 import pytest
 import torch
 
-from aligndp import cli
-from aligndp.train import TrainConfig, add_arguments, config_from_args
-from aligndp.train_loop import latest_checkpoint, lr_factor
-from aligndp.train_report import MetricsLog, read_metrics
+from aligndp.app import cli
+from aligndp.app.train import TrainConfig, add_arguments, config_from_args
+from aligndp.app.train_loop import latest_checkpoint, lr_factor
+from aligndp.app.train_report import MetricsLog, read_metrics
 
 STEPS = 20
 COMMON = ["--steps", str(STEPS), "--batch-size", "8", "--eval-every", "10", "--seed", "3"]
@@ -31,8 +32,23 @@ def _train(args, out):
 def two_ranks(tmp_path_factory):
     """2 launched gloo ranks, each reading 2 micro-batches of 2 sequences of the global batch of 8."""
     out = tmp_path_factory.mktemp("two_ranks")
-    assert cli.main(["train", *COMMON, "--nproc", "2", "--micro-batches", "2", "--checkpoint-every", "10",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                *COMMON,
+                "--nproc",
+                "2",
+                "--micro-batches",
+                "2",
+                "--checkpoint-every",
+                "10",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -71,7 +87,8 @@ def test_one_rank_and_two_ranks_see_the_same_loss_curve(one_rank, two_ranks):
     two = [r["loss"] for r in read_metrics(two_ranks / "metrics.jsonl")]
     assert one == pytest.approx(two, rel=1e-5)
     assert read_metrics(one_rank / "metrics.jsonl")[-1]["eval_loss"] == pytest.approx(
-        read_metrics(two_ranks / "metrics.jsonl")[-1]["eval_loss"], rel=1e-5)
+        read_metrics(two_ranks / "metrics.jsonl")[-1]["eval_loss"], rel=1e-5
+    )
 
 
 def _interrupted_copy(run, out, *, checkpoint_step, last_logged_step):
@@ -91,7 +108,11 @@ def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
     """Killed at step 13 with its last checkpoint at step 10, the run resumes at step 10 and
     logs the losses of the uninterrupted run: identical at the same dp size, and equal to fp32
     summation order when resumed on 1 rank (the checkpoint is resharded)."""
-    assert sorted(os.listdir(two_ranks / "checkpoints")) == ["run.json", "step-000010", "step-000020"]
+    assert sorted(os.listdir(two_ranks / "checkpoints")) == [
+        "run.json",
+        "step-000010",
+        "step-000020",
+    ]
     _interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
     micro = ["--micro-batches", "2"] if nproc == 2 else []
     assert _train([*COMMON, *micro, "--nproc", str(nproc), "--resume"], tmp_path) == 0
@@ -113,14 +134,22 @@ def _error_line(capsys):
     return err[0]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of demo, tiny-odd"),
-    (["--batch-size", "6", "--micro-batches", "4"],
-     r"--batch-size 6 does not split into --nproc 2 ranks x --micro-batches 4 = 8 equal parts.*--batch-size 8"),
-    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
-    (["--resume"], "holds no checkpoint; run once with --checkpoint-every N first"),
-    (["--wgrad", "fp8"], "--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of demo, tiny-odd"),
+        (
+            ["--batch-size", "6", "--micro-batches", "4"],
+            r"--batch-size 6 does not split into --nproc 2 ranks x --micro-batches 4 = 8 equal parts.*--batch-size 8",
+        ),
+        (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+        (["--resume"], "holds no checkpoint; run once with --checkpoint-every N first"),
+        (
+            ["--wgrad", "fp8"],
+            "--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda",
+        ),
+    ],
+)
 def test_bad_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert _train(args, tmp_path) == 2
     line = _error_line(capsys)
@@ -128,7 +157,9 @@ def test_bad_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert re.search(message, line), line
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
 def test_cuda_without_a_gpu(tmp_path, capsys):
     assert _train(["--device", "cuda"], tmp_path) == 2
     assert "--device cuda but torch sees no CUDA device; use --device cpu" in _error_line(capsys)
@@ -138,13 +169,21 @@ def test_data_file_too_small_for_one_batch(tmp_path, capsys):
     path = tmp_path / "tiny.txt"
     path.write_text("hello world\n" * 10)
     assert _train(["--data", str(path)], tmp_path / "out") == 2
-    assert "the eval split has 12 tokens but one sequence needs seq_len + 1 = 65" in _error_line(capsys)
+    assert "the eval split has 12 tokens but one sequence needs seq_len + 1 = 65" in _error_line(
+        capsys
+    )
 
 
 def test_text_file_trains_in_one_process(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
-    assert _train(["--data", str(path), "--nproc", "1", "--steps", "3", "--batch-size", "2"], tmp_path / "out") == 0
+    assert (
+        _train(
+            ["--data", str(path), "--nproc", "1", "--steps", "3", "--batch-size", "2"],
+            tmp_path / "out",
+        )
+        == 0
+    )
     assert len(read_metrics(tmp_path / "out" / "metrics.jsonl")) == 3
 
 
@@ -165,7 +204,12 @@ def test_sharded_muon_on_two_ranks_matches_one_process(tmp_path):
     reduced gradient (seen: 1.5e-5 relative)."""
     muon = [*COMMON, "--optimizer", "muon", "--lr", "0.01"]
     assert _train([*muon, "--nproc", "1"], tmp_path / "one") == 0
-    assert _train([*muon, "--sharding", "zero1", "--micro-batches", "2", "--nproc", "2"], tmp_path / "two") == 0
+    assert (
+        _train(
+            [*muon, "--sharding", "zero1", "--micro-batches", "2", "--nproc", "2"], tmp_path / "two"
+        )
+        == 0
+    )
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert two == pytest.approx(one, rel=1e-4)
     assert two[-1] < two[0] - 2.0
@@ -190,7 +234,10 @@ def test_engine_not_implemented_is_one_line_and_exit_2(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(aligndp, "parallelize", not_yet)
     assert _train([*COMMON, "--nproc", "1"], tmp_path) == 2
-    assert _error_line(capsys) == "aligndp train: error: not implemented yet: sharding='zero2' is not implemented yet"
+    assert (
+        _error_line(capsys)
+        == "aligndp train: error: not implemented yet: sharding='zero2' is not implemented yet"
+    )
 
 
 def test_flags_are_pinned():
@@ -199,12 +246,32 @@ def test_flags_are_pinned():
     add_arguments(parser)
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     assert flags == {
-        "--preset", "--steps", "--batch-size", "--micro-batches", "--optimizer", "--sharding", "--wgrad",
-        "--lr", "--seed", "--nproc", "--device", "--dtype", "--eval-every", "--checkpoint-dir",
-        "--checkpoint-every", "--keep-last", "--resume", "--overwrite", "--out", "--data", "--timeout",
+        "--preset",
+        "--steps",
+        "--batch-size",
+        "--micro-batches",
+        "--optimizer",
+        "--sharding",
+        "--wgrad",
+        "--lr",
+        "--seed",
+        "--nproc",
+        "--device",
+        "--dtype",
+        "--eval-every",
+        "--checkpoint-dir",
+        "--checkpoint-every",
+        "--keep-last",
+        "--resume",
+        "--overwrite",
+        "--out",
+        "--data",
+        "--timeout",
     }
     assert config_from_args(parser.parse_args([])) == TrainConfig()
-    config = config_from_args(parser.parse_args(["--batch-size", "12", "--lr", "0.01", "--resume", "--data", "x.bin"]))
+    config = config_from_args(
+        parser.parse_args(["--batch-size", "12", "--lr", "0.01", "--resume", "--data", "x.bin"])
+    )
     assert (config.batch_size, config.lr, config.resume, config.data) == (12, 0.01, True, "x.bin")
     help_text = parser.format_help()
     assert "Global batch in sequences per optimizer step" in help_text  # from the field docstring
@@ -217,7 +284,9 @@ def test_config_checks_choices_when_built_in_code():
         TrainConfig(sharding="zero3")
     with pytest.raises(ValueError, match="--lr must be > 0"):
         TrainConfig(lr=0.0)
-    assert TrainConfig(checkpoint_dir=None, out="o").checkpoint_path == os.path.join("o", "checkpoints")
+    assert TrainConfig(checkpoint_dir=None, out="o").checkpoint_path == os.path.join(
+        "o", "checkpoints"
+    )
 
 
 def test_lr_schedule_by_hand():
@@ -243,5 +312,10 @@ def test_resumed_metrics_drop_the_steps_after_the_checkpoint(tmp_path):
         log.write({"step": step, "loss": 10.0 - step})
     resumed = MetricsLog(path, start_step=3)
     resumed.write({"step": 3, "loss": 7.5})
-    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(0, 10.0), (1, 9.0), (2, 8.0), (3, 7.5)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [
+        (0, 10.0),
+        (1, 9.0),
+        (2, 8.0),
+        (3, 7.5),
+    ]
     assert resumed.first_loss == 10.0

@@ -1,4 +1,5 @@
 """ZeRO-1 (sharding="zero1") against torch's optimizers on one process with the global batch (gloo)."""
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aligndp
-from aligndp.layout import Mode, ParamSpec, plan_layout
 from aligndp.optim.sharded import ShardedOptimizer, check_elementwise, owned_segments
+from aligndp.plan.layout import Mode, ParamSpec, plan_layout
 from tests._dist import case, make_tests
 from tests.test_ddp import batch, loss_of, make_net
 
@@ -20,7 +21,10 @@ STEPS = 5
 
 def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max |e| over the tensor: one number per param, robust to elements near 0."""
-    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
+    return float(
+        (actual.float() - expected.float()).abs().max()
+        / expected.float().abs().max().clamp_min(1e-12)
+    )
 
 
 def assert_rel(model: nn.Module, ref: nn.Module, what: str, rtol: float = RTOL) -> None:
@@ -38,20 +42,34 @@ def assert_replicas_identical(model: nn.Module) -> None:
 
 
 def train_and_compare(
-    *, optimizer="adamw", ref_class=torch.optim.AdamW, steps=STEPS, rtol=RTOL, max_grad_norm=None,
-    micro_batches=1, **kwargs,
+    *,
+    optimizer="adamw",
+    ref_class=torch.optim.AdamW,
+    steps=STEPS,
+    rtol=RTOL,
+    max_grad_norm=None,
+    micro_batches=1,
+    **kwargs,
 ) -> None:
     """``steps`` ZeRO-1 steps vs ``ref_class`` on one process with the global batch, compared every step."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     opt_kwargs = {"lr": 1e-2} | ({"momentum": 0.9} if ref_class is torch.optim.SGD else {})
-    model, opt = aligndp.parallelize(make_net(), optimizer=optimizer, sharding="zero1", max_grad_norm=max_grad_norm,
-                                     **opt_kwargs, **kwargs)
+    model, opt = aligndp.parallelize(
+        make_net(),
+        optimizer=optimizer,
+        sharding="zero1",
+        max_grad_norm=max_grad_norm,
+        **opt_kwargs,
+        **kwargs,
+    )
     assert isinstance(opt, ShardedOptimizer)
     ref = make_net()
     ref_opt = ref_class(ref.parameters(), **opt_kwargs)
     for step in range(steps):
         idx, tgt = batch(step, rank, ws)
-        for i in range(micro_batches):  # split every row's 5 tokens; equal shares keep the mean exact
+        for i in range(
+            micro_batches
+        ):  # split every row's 5 tokens; equal shares keep the mean exact
             cols = slice(i * 5 // micro_batches, (i + 1) * 5 // micro_batches)
             weight = (cols.stop - cols.start) / 5
             if i < micro_batches - 1:
@@ -62,7 +80,9 @@ def train_and_compare(
         opt.step()
         opt.zero_grad()
         if kwargs.get("overlap_param_gather") and ws > 1:
-            assert opt.gather.in_flight == len(model.layouts[0].buckets), "the gather should still be in flight"
+            assert opt.gather.in_flight == len(model.layouts[0].buckets), (
+                "the gather should still be in flight"
+            )
             with torch.no_grad():
                 model(idx)  # every module's pre-hook waits for its own buckets
             assert opt.gather.in_flight == 0, "forward pre-hooks left gathers unwaited"
@@ -95,7 +115,9 @@ def case_micro_batches_no_sync(rank, ws):
 @case(2)
 def case_adam_and_sgd(rank, ws):
     train_and_compare(optimizer="adam", ref_class=torch.optim.Adam, bucket_numel=200, steps=3)
-    train_and_compare(optimizer="sgd", ref_class=torch.optim.SGD, bucket_numel=200, steps=3, max_grad_norm=0.1)
+    train_and_compare(
+        optimizer="sgd", ref_class=torch.optim.SGD, bucket_numel=200, steps=3, max_grad_norm=0.1
+    )
 
 
 @case(2)
@@ -120,14 +142,21 @@ def case_bf16_params_fp32_masters(rank, ws):
     bound is on the mean (measured ~7e-3 lr after 5 steps at ws 2) and the max (measured ~1 lr).
     """
     bf16_against_fp32_masters(torch.float32, mean_bound=0.02)
-    bf16_against_fp32_masters(None, mean_bound=0.05)  # bf16 grad buffer: also rounded after the reduction
+    bf16_against_fp32_masters(
+        None, mean_bound=0.05
+    )  # bf16 grad buffer: also rounded after the reduction
 
 
 def bf16_against_fp32_masters(grad_dtype: torch.dtype | None, *, mean_bound: float) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     lr = 1e-2
-    model, opt = aligndp.parallelize(make_net().to(torch.bfloat16), sharding="zero1", grad_dtype=grad_dtype,
-                                     lr=lr, bucket_numel=200)
+    model, opt = aligndp.parallelize(
+        make_net().to(torch.bfloat16),
+        sharding="zero1",
+        grad_dtype=grad_dtype,
+        lr=lr,
+        bucket_numel=200,
+    )
     assert all(b.layout.grad_dtype == (grad_dtype or torch.bfloat16) for b in model.flat_buffers)
     ref = make_net().to(torch.bfloat16)
     masters = [p.detach().float().clone() for p in ref.parameters()]
@@ -151,11 +180,18 @@ def bf16_against_fp32_masters(grad_dtype: torch.dtype | None, *, mean_bound: flo
     for (n, _), m in zip(model.module.named_parameters(), masters):
         if n in ours:
             seg = ours[n].segment
-            diffs.append((ours[n].master - m.reshape(-1)[seg.offset:seg.offset + seg.numel]).abs())
+            diffs.append(
+                (ours[n].master - m.reshape(-1)[seg.offset : seg.offset + seg.numel]).abs()
+            )
     diff = torch.cat(diffs)
-    print(f"bf16 params, {grad_dtype} grads: masters vs reference: mean |diff| {diff.mean() / lr:.3g} lr, "
-          f"max {diff.max() / lr:.3g} lr")
-    assert diff.mean() <= mean_bound * lr and diff.max() <= 2 * lr, (diff.mean() / lr, diff.max() / lr)
+    print(
+        f"bf16 params, {grad_dtype} grads: masters vs reference: mean |diff| {diff.mean() / lr:.3g} lr, "
+        f"max {diff.max() / lr:.3g} lr"
+    )
+    assert diff.mean() <= mean_bound * lr and diff.max() <= 2 * lr, (
+        diff.mean() / lr,
+        diff.max() / lr,
+    )
 
 
 class Tiny(nn.Module):
@@ -179,7 +215,7 @@ def case_fewer_params_than_ranks(rank, ws):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
     x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
     for _ in range(3):
-        model(x[rank * 2:(rank + 1) * 2]).square().mean().backward()
+        model(x[rank * 2 : (rank + 1) * 2]).square().mean().backward()
         opt.step()
         opt.zero_grad()
         ref(x).square().mean().backward()
@@ -194,7 +230,9 @@ def case_param_gather_runs_in_forward_order(rank, ws):
     """The first module of the next forward must wait only for its own bucket: NCCL runs
     gathers in launch order and layouts put the first layers in the *last* bucket, so the
     gathers are launched in forward order, not bucket order."""
-    model, opt = aligndp.parallelize(make_net(), sharding="zero1", bucket_numel=200, overlap_param_gather=True)
+    model, opt = aligndp.parallelize(
+        make_net(), sharding="zero1", bucket_numel=200, overlap_param_gather=True
+    )
     layout = model.layouts[0]
     assert len(layout.buckets) > 2
     first_bucket = layout.param("emb.weight").bucket
@@ -205,7 +243,9 @@ def case_param_gather_runs_in_forward_order(rank, ws):
     opt.step()
     with torch.no_grad():
         model.module.emb(batch(1, rank, ws)[0])  # the first module alone
-    assert opt.gather.in_flight == len(layout.buckets) - 1, "only emb's bucket may have been waited for"
+    assert opt.gather.in_flight == len(layout.buckets) - 1, (
+        "only emb's bucket may have been waited for"
+    )
     opt.gather.wait_all()
 
 
@@ -223,12 +263,15 @@ def case_optimizer_state_is_sharded(rank, ws):
 
 # ---- single-process tests ----
 
+
 def test_owned_segments_partition_real_elements():
     """Over all ranks, owned segments cover every real element of every buffer exactly once."""
     rng = random.Random(0)
     for trial in range(60):
-        specs = [ParamSpec(f"p{i}", tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 2))))
-                 for i in range(rng.randint(1, 9))]
+        specs = [
+            ParamSpec(f"p{i}", tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 2))))
+            for i in range(rng.randint(1, 9))
+        ]
         dp_size = rng.choice([1, 2, 3, 4, 8])
         bucket = rng.choice([None, 50, 300, 2000])
         layout = plan_layout(specs, dp_size=dp_size, mode=Mode.SHARDED, bucket_numel=bucket)
@@ -239,11 +282,13 @@ def test_owned_segments_partition_real_elements():
                 assert lo <= s.start < s.end <= hi
                 slot = layout.param(s.name)
                 assert s.offset == s.start - slot.start and s.offset + s.numel <= slot.numel
-                count[s.start:s.end] += 1
+                count[s.start : s.end] += 1
         real = torch.zeros_like(count)
         for p in layout.params:
-            real[p.start:p.end] = 1
-        assert torch.equal(count, real), f"trial {trial}: owned segments do not partition the real elements"
+            real[p.start : p.end] = 1
+        assert torch.equal(count, real), (
+            f"trial {trial}: owned segments do not partition the real elements"
+        )
 
 
 def test_non_elementwise_optimizer_is_refused():

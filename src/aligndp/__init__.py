@@ -1,8 +1,9 @@
 """aligndp: data-parallel training for PyTorch where alignment is a contract."""
-from aligndp.ddp import DataParallel, DDPConfig
-from aligndp.layout import (
-    BufferLayout,
+
+from aligndp.parallelize import parallelize
+from aligndp.plan.layout import (
     BucketSlot,
+    BufferLayout,
     Mode,
     ParamSlot,
     ParamSpec,
@@ -11,9 +12,9 @@ from aligndp.layout import (
     plan_layout,
     validate,
 )
-from aligndp.checkpoint import load, save
-from aligndp.parallelize import parallelize
-from aligndp.routing import Routing, route_params
+from aligndp.plan.routing import Routing, route_params
+from aligndp.runtime.ddp import DataParallel, DDPConfig
+from aligndp.state.checkpoint import load, save
 
 __all__ = [
     "BufferLayout",

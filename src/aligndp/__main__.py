@@ -1,5 +1,5 @@
 import sys
 
-from aligndp.cli import main
+from aligndp.app.cli import main
 
 sys.exit(main())

@@ -1,15 +1,16 @@
 """``parallelize()``: the one door. Routes params, derives requirements, builds DDP + optimizer."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.ddp import DataParallel, DDPConfig
-from aligndp.layout import DEFAULT_START_ALIGNMENT, Requirement
 from aligndp.optim.base import DataParallelOptimizer, resolve_optimizer_class
 from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart
 from aligndp.optim.groups import ParamGroupsArg, resolve_param_groups
+from aligndp.plan.layout import DEFAULT_START_ALIGNMENT, Requirement
+from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.user_input import check_parallelize_inputs
 
 __all__ = ["parallelize", "SHARDINGS", "WGRAD_RECIPES"]
@@ -23,7 +24,7 @@ def _wgrad_requirements(wgrad: str | None) -> list[Requirement]:
         raise ValueError(f"unknown wgrad recipe {wgrad!r}: choose one of none, fp8, mxfp8")
     if wgrad in (None, "none"):
         return []
-    from aligndp.recipes import wgrad_requirements
+    from aligndp.lowp.recipes import wgrad_requirements
 
     return wgrad_requirements(wgrad)
 
@@ -64,7 +65,7 @@ def parallelize(
     Args:
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, a torch optimizer class, or
             ``"muon"``: ``torch.optim.Muon`` on the hidden 2-D matrices, ``torch.optim.AdamW``
-            on the rest (aligndp/routing.py; ``muon_filter=`` overrides). ``lr`` goes to both;
+            on the rest (aligndp/plan/routing.py; ``muon_filter=`` overrides). ``lr`` goes to both;
             other kwargs go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay,
             ...) and ``adamw_<x>`` ones to AdamW (adamw_lr, adamw_betas, adamw_weight_decay,
             ...). With ``sharding="zero1"`` each matrix is stepped whole by one owner rank
@@ -101,8 +102,14 @@ def parallelize(
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     requirements = _wgrad_requirements(wgrad)
-    config_kwargs = dict(overlap=overlap, grad_dtype=grad_dtype, start_alignment=start_alignment,
-                         check_finite=check_finite, on_nonfinite=on_nonfinite, broadcast_buffers=broadcast_buffers)
+    config_kwargs = dict(
+        overlap=overlap,
+        grad_dtype=grad_dtype,
+        start_alignment=start_alignment,
+        check_finite=check_finite,
+        on_nonfinite=on_nonfinite,
+        broadcast_buffers=broadcast_buffers,
+    )
     if bucket_numel is not None:
         config_kwargs["bucket_numel"] = bucket_numel
     config = DDPConfig(**config_kwargs)
@@ -112,26 +119,47 @@ def parallelize(
     groups = resolve_param_groups(model, param_groups)
     cuda = any(p.is_cuda for p in model.parameters())
     if isinstance(optimizer, str) and optimizer.lower() == "muon":
-        from aligndp.optim.layerwise import parallelize_muon  # routing: aligndp/routing.py
+        from aligndp.optim.layerwise import parallelize_muon  # routing: aligndp/plan/routing.py
 
-        return parallelize_muon(model, sharding=sharding, process_group=process_group, config=config,
-                                requirements=requirements, max_grad_norm=max_grad_norm, groups=groups,
-                                overlap_param_gather=overlap_param_gather,
-                                adamw_fused=cuda and not ({"adamw_fused", "adamw_foreach"} & set(optimizer_kwargs)),
-                                **optimizer_kwargs)
+        return parallelize_muon(
+            model,
+            sharding=sharding,
+            process_group=process_group,
+            config=config,
+            requirements=requirements,
+            max_grad_norm=max_grad_norm,
+            groups=groups,
+            overlap_param_gather=overlap_param_gather,
+            adamw_fused=cuda and not ({"adamw_fused", "adamw_foreach"} & set(optimizer_kwargs)),
+            **optimizer_kwargs,
+        )
     opt_class = resolve_optimizer_class(optimizer)
     if _use_fused_kernels(model, opt_class, optimizer_kwargs):
         optimizer_kwargs["fused"] = True
     if sharding == "zero1":
-        from aligndp.layout import Mode
         from aligndp.optim.sharded import ShardedOptimizer, check_elementwise
+        from aligndp.plan.layout import Mode
 
         check_elementwise(opt_class, optimizer_kwargs)  # before wrapping: refuse early
         modes = {n: Mode.SHARDED for g in groups for n in g.names}
-        ddp = DataParallel(model, process_group=process_group, config=config, modes=modes, requirements=requirements)
-        return ddp, ShardedOptimizer(ddp, opt_class, groups=groups, max_grad_norm=max_grad_norm,
-                                     overlap_param_gather=overlap_param_gather, **optimizer_kwargs)
+        ddp = DataParallel(
+            model,
+            process_group=process_group,
+            config=config,
+            modes=modes,
+            requirements=requirements,
+        )
+        return ddp, ShardedOptimizer(
+            ddp,
+            opt_class,
+            groups=groups,
+            max_grad_norm=max_grad_norm,
+            overlap_param_gather=overlap_param_gather,
+            **optimizer_kwargs,
+        )
     ddp = DataParallel(model, process_group=process_group, config=config, requirements=requirements)
     named = dict(model.named_parameters())
-    inner = opt_class([{"params": [named[n] for n in g.names], **g.options} for g in groups], **optimizer_kwargs)
+    inner = opt_class(
+        [{"params": [named[n] for n in g.names], **g.options} for g in groups], **optimizer_kwargs
+    )
     return ddp, CompositeOptimizer(ddp, [ReplicatedPart(ddp, inner)], max_grad_norm=max_grad_norm)

@@ -3,6 +3,7 @@
 Without them a tensor passed as the model fails deep inside as an ``AttributeError``, and an
 optimizer instance passed where a class is expected prints its multi-line repr.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,22 +21,32 @@ def _describe(value: object) -> str:
 def check_parallelize_inputs(model: object, optimizer: object) -> None:
     """Raise a one-line TypeError unless ``model`` is an unwrapped module and ``optimizer`` a
     name or an optimizer class."""
-    from aligndp.ddp import DataParallel
+    from aligndp.runtime.ddp import DataParallel
 
     if isinstance(model, DataParallel):
-        raise TypeError("aligndp.parallelize got a model it already wrapped; pass the original module "
-                        "(model.module) or keep using the wrapped one")
+        raise TypeError(
+            "aligndp.parallelize got a model it already wrapped; pass the original module "
+            "(model.module) or keep using the wrapped one"
+        )
     if not isinstance(model, nn.Module):
         hint = " (the model, not one of its tensors)" if isinstance(model, torch.Tensor) else ""
         raise TypeError(f"aligndp.parallelize wraps an nn.Module{hint}, got {_describe(model)}")
     if isinstance(optimizer, torch.optim.Optimizer):
-        settings = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "weight_decay", "momentum", "betas")}
+        settings = {
+            k: v
+            for k, v in optimizer.defaults.items()
+            if k in ("lr", "weight_decay", "momentum", "betas")
+        }
         kwargs = ", ".join(f"{k}={v!r}" for k, v in settings.items())
         raise TypeError(
             f"optimizer= takes a name or an optimizer class, got an instance of {type(optimizer).__name__}: aligndp "
             f"builds the optimizer over its own buffers. Pass optimizer=torch.optim.{type(optimizer).__name__} "
             f"and its settings as keywords ({kwargs})"
         )
-    if not isinstance(optimizer, str) and not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer= takes a name (adamw, adam, sgd, muon) or a torch.optim.Optimizer class, "
-                        f"got {_describe(optimizer)}")
+    if not isinstance(optimizer, str) and not (
+        isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            f"optimizer= takes a name (adamw, adam, sgd, muon) or a torch.optim.Optimizer class, "
+            f"got {_describe(optimizer)}"
+        )

@@ -1,3 +1,3 @@
-from aligndp.models.gpt import GPT, GPTConfig, PRESETS
+from aligndp.models.gpt import GPT, PRESETS, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "PRESETS"]

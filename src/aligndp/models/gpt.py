@@ -1,4 +1,5 @@
 """A small, clean GPT. It knows nothing about parallelism or aligndp."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,9 @@ class GPTConfig:
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
         if self.dim % self.head_dim:
-            raise ValueError(f"GPTConfig.dim={self.dim} must be a multiple of head_dim={self.head_dim}")
+            raise ValueError(
+                f"GPTConfig.dim={self.dim} must be a multiple of head_dim={self.head_dim}"
+            )
 
     @property
     def num_heads(self) -> int:
@@ -48,8 +51,12 @@ PRESETS: dict[str, GPTConfig] = {
     "demo": GPTConfig(vocab_size=256, seq_len=64, dim=64, num_layers=2, head_dim=16),
     # Odd sizes on purpose (no dim a multiple of 64) to exercise padding.
     "tiny-odd": GPTConfig(vocab_size=97, seq_len=32, dim=40, num_layers=2, head_dim=10),
-    "gpt2-small": GPTConfig(vocab_size=50257, seq_len=1024, dim=768, num_layers=12, head_dim=64, tied=True),
-    "gpt2-medium": GPTConfig(vocab_size=50257, seq_len=1024, dim=1024, num_layers=24, head_dim=64, tied=True),
+    "gpt2-small": GPTConfig(
+        vocab_size=50257, seq_len=1024, dim=768, num_layers=12, head_dim=64, tied=True
+    ),
+    "gpt2-medium": GPTConfig(
+        vocab_size=50257, seq_len=1024, dim=1024, num_layers=24, head_dim=64, tied=True
+    ),
     # ~0.94 B params: the GPU benchmark model (same shapes as shared/anchors/peer_bench.py).
     "1b": GPTConfig(vocab_size=32768, seq_len=1024, dim=2048, num_layers=16, head_dim=128),
 }
@@ -69,7 +76,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         # (B, T, 3D) -> 3 x (B, heads, T, head_dim)
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(x))
+            .view(B, T, 3, self.num_heads, D // self.num_heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))

@@ -8,6 +8,7 @@ dicts — the same dict objects, so writing ``group["lr"]`` changes the inner op
 directly. It is read afresh on every access: ``Optimizer.load_state_dict`` replaces an inner
 optimizer's group dicts, and a list captured at construction would then point at dead dicts.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,8 +17,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from aligndp.collectives import all_reduce_sum
-from aligndp.ddp import DataParallel
+from aligndp.runtime.collectives import all_reduce_sum
+from aligndp.runtime.ddp import DataParallel
 
 __all__ = [
     "DataParallelOptimizer",
@@ -49,9 +50,11 @@ def resolve_optimizer_class(name: str | type[torch.optim.Optimizer]) -> type[tor
     if isinstance(name, type) and issubclass(name, torch.optim.Optimizer):
         return name
     if isinstance(name, torch.optim.Optimizer):
-        raise TypeError(f"optimizer= takes a torch optimizer class or a name, got an instance of "
-                        f"{type(name).__name__}: pass {type(name).__name__} itself (aligndp builds it over the "
-                        "buffers) and its options as keyword arguments")
+        raise TypeError(
+            f"optimizer= takes a torch optimizer class or a name, got an instance of "
+            f"{type(name).__name__}: pass {type(name).__name__} itself (aligndp builds it over the "
+            "buffers) and its options as keyword arguments"
+        )
     try:
         return ELEMENTWISE_OPTIMIZERS[str(name).lower()]
     except KeyError:
@@ -75,20 +78,31 @@ def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> boo
     grads = [torch.randn(4, 6, generator=gen) for _ in range(3)]
     try:
         whole = start.clone().requires_grad_(True)
-        pieces = [start.reshape(-1)[:7].clone().requires_grad_(True), start.reshape(-1)[7:].clone().requires_grad_(True)]
+        pieces = [
+            start.reshape(-1)[:7].clone().requires_grad_(True),
+            start.reshape(-1)[7:].clone().requires_grad_(True),
+        ]
         opt_whole, opt_pieces = opt_class([whole], **options), opt_class(pieces, **options)
         for g in grads:
             whole.grad = g.clone()
             pieces[0].grad, pieces[1].grad = g.reshape(-1)[:7].clone(), g.reshape(-1)[7:].clone()
             opt_whole.step()
             opt_pieces.step()
-        return torch.allclose(whole.detach().reshape(-1), torch.cat([p.detach() for p in pieces]),
-                              rtol=1e-6, atol=1e-7)
-    except Exception:  # an optimizer that cannot step flat pieces (Muon: 2-D only) is not elementwise
+        return torch.allclose(
+            whole.detach().reshape(-1),
+            torch.cat([p.detach() for p in pieces]),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+    except (
+        Exception
+    ):  # an optimizer that cannot step flat pieces (Muon: 2-D only) is not elementwise
         return False
 
 
-def global_grad_norm(local_sq_sums: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None) -> torch.Tensor:
+def global_grad_norm(
+    local_sq_sums: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Global gradient 2-norm from each rank's sums of squares of the real elements it owns.
 
     One all-reduce for any mix of buffers: callers pass one partial sum per part and must
@@ -125,7 +139,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, value) -> None:
-        raise AttributeError("param_groups belong to the inner torch optimizers; edit the group dicts instead")
+        raise AttributeError(
+            "param_groups belong to the inner torch optimizers; edit the group dicts instead"
+        )
 
     @property
     def state(self) -> dict:  # type: ignore[override]
@@ -151,8 +167,14 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     # ---- torch's optimizer state dict, rank-local ----
     def _fingerprint(self) -> dict:
-        return {"dp_size": self.model.dp_size, "rank": self.model.rank,
-                "shapes": [[[tuple(p.shape) for p in g["params"]] for g in opt.param_groups] for opt in self.inner]}
+        return {
+            "dp_size": self.model.dp_size,
+            "rank": self.model.rank,
+            "shapes": [
+                [[tuple(p.shape) for p in g["params"]] for g in opt.param_groups]
+                for opt in self.inner
+            ],
+        }
 
     def state_dict(self) -> dict:
         """torch's format, over every inner optimizer: ``state`` keyed by one running param index
@@ -174,10 +196,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         mine = self._fingerprint()
         theirs = state_dict.get("aligndp")
         if theirs != mine:
+
             def describe(fp):
                 if not fp:
                     return "a plain torch optimizer"
                 return f"rank {fp['rank']} of dp size {fp['dp_size']}, {sum(len(o) for o in fp['shapes'])} group(s)"
+
             raise ValueError(
                 f"this optimizer state dict was saved by {describe(theirs)} with another layout of the optimizer's "
                 f"tensors than this optimizer's ({describe(mine)}): opt.state_dict() is rank-local; load it on the "
@@ -190,9 +214,19 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             count = len(opt.param_groups)
             mine_groups, groups = groups[:count], groups[count:]
             numel = sum(len(g["params"]) for g in mine_groups)
-            sub_state = {i - offset: s for i, s in state_dict["state"].items() if offset <= i < offset + numel}
-            opt.load_state_dict({"state": sub_state, "param_groups": [
-                {**g, "params": [i - offset for i in g["params"]]} for g in mine_groups]})
+            sub_state = {
+                i - offset: s
+                for i, s in state_dict["state"].items()
+                if offset <= i < offset + numel
+            }
+            opt.load_state_dict(
+                {
+                    "state": sub_state,
+                    "param_groups": [
+                        {**g, "params": [i - offset for i in g["params"]]} for g in mine_groups
+                    ],
+                }
+            )
             offset += numel
 
     def __repr__(self) -> str:

@@ -6,10 +6,11 @@ ZeRO-1 AdamW (:class:`~aligndp.optim.sharded.ShardedOptimizer`, whose composable
 protocol follows), or a replicated optimizer (:class:`ReplicatedPart`). The composite
 finishes the gradient sync once, clips every part by one global norm (one all-reduce),
 steps each part, and all-gathers every sharded and layer-wise buffer once — after the step
-or overlapped with the next forward (:class:`~aligndp.param_gather.ParamGather`).
+or overlapped with the next forward (:class:`~aligndp.runtime.param_gather.ParamGather`).
 Checkpoints see it through the model-space methods of [Note: model-space state]
-(aligndp/checkpoint.py), which it forwards to the part that holds each param.
+(aligndp/state/checkpoint.py), which it forwards to the part that holds each param.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,14 +18,24 @@ from typing import Protocol
 
 import torch
 
-from aligndp.buffer import FlatBuffer
-from aligndp.model_space import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
-from aligndp.ddp import DataParallel
-from aligndp.layout import Mode
 from aligndp.optim.base import DataParallelOptimizer, global_grad_norm
-from aligndp.param_gather import ParamGather
+from aligndp.plan.layout import Mode
+from aligndp.runtime.buffer import FlatBuffer
+from aligndp.runtime.ddp import DataParallel
+from aligndp.runtime.param_gather import ParamGather
+from aligndp.state.model_space import (
+    FlatPiece,
+    model_space_to_torch_state,
+    torch_state_to_model_space,
+)
 
-__all__ = ["OptimizerPart", "ReplicatedPart", "CompositeOptimizer", "BucketGather", "sum_of_squares"]
+__all__ = [
+    "OptimizerPart",
+    "ReplicatedPart",
+    "CompositeOptimizer",
+    "BucketGather",
+    "sum_of_squares",
+]
 
 
 class OptimizerPart(Protocol):
@@ -44,7 +55,7 @@ class OptimizerPart(Protocol):
 
     def on_reduced(self) -> None:
         """After a reduction: give what the inner optimizer steps the ``.grad`` users may see
-        (a :class:`~aligndp.grads.ShardedGrad` where it has no full value, so a torch
+        (a :class:`~aligndp.runtime.grads.ShardedGrad` where it has no full value, so a torch
         ``GradScaler`` refuses clearly)."""
 
     def step_owned(self) -> None:
@@ -99,8 +110,10 @@ class ReplicatedPart:
         return 0, self.params[self.names.index(name)].numel()
 
     def model_space_state_dict(self) -> dict[str, object]:
-        sd: dict[str, object] = {f"param.{n}": FlatPiece(p.detach().float().reshape(-1), 0, p.numel())
-                                 for n, p in zip(self.names, self.params)}
+        sd: dict[str, object] = {
+            f"param.{n}": FlatPiece(p.detach().float().reshape(-1), 0, p.numel())
+            for n, p in zip(self.names, self.params)
+        }
         extents = {n: (0, p.numel()) for n, p in zip(self.names, self.params)}
         return sd | torch_state_to_model_space(self.inner[0], self.names, extents)
 
@@ -148,8 +161,14 @@ class CompositeOptimizer(DataParallelOptimizer):
     by one global norm, as ``torch.nn.utils.clip_grad_norm_`` over every param would.
     """
 
-    def __init__(self, model: DataParallel, parts: Sequence[OptimizerPart], *,
-                 max_grad_norm: float | None = None, overlap_param_gather: bool = False) -> None:
+    def __init__(
+        self,
+        model: DataParallel,
+        parts: Sequence[OptimizerPart],
+        *,
+        max_grad_norm: float | None = None,
+        overlap_param_gather: bool = False,
+    ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         super().__init__(model, [opt for part in parts for opt in part.inner])
@@ -162,15 +181,18 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.skipped_steps = 0
         """Steps skipped on every rank for non-finite gradients (``on_nonfinite="skip"``)."""
         self.routing = None
-        """The :class:`~aligndp.routing.Routing` that split the params, when one did."""
+        """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
         gathered = [b for b in model.flat_buffers if b.param_data is not None]
-        self.gather = BucketGather(gathered, group=model.process_group, module=model.module,
-                                   overlap=overlap_param_gather)
+        self.gather = BucketGather(
+            gathered, group=model.process_group, module=model.module, overlap=overlap_param_gather
+        )
         if gathered:
             model.attach_param_gather(self.gather)
         model.reduction_listeners.append(self._on_reduced)
         for part in self.parts:
-            if hasattr(part, "on_bucket_stepped"):  # layer-wise Muon: gather each bucket once it is stepped
+            if hasattr(
+                part, "on_bucket_stepped"
+            ):  # layer-wise Muon: gather each bucket once it is stepped
                 part.on_bucket_stepped = self.gather.launch_stepped
 
     def _on_reduced(self) -> None:
@@ -189,7 +211,9 @@ class CompositeOptimizer(DataParallelOptimizer):
         """The global 2-norm of the reduced gradients over every param (one all-reduce), as
         ``torch.nn.utils.clip_grad_norm_`` would compute it over every rank's full gradients."""
         self._prepare()
-        return global_grad_norm([part.local_grad_sq_sum() for part in self.parts], group=self.model.process_group)
+        return global_grad_norm(
+            [part.local_grad_sq_sum() for part in self.parts], group=self.model.process_group
+        )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -224,7 +248,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.gather.launch_rest()
         return None
 
-    # ---- [Note: model-space state] (aligndp/checkpoint.py) ----
+    # ---- [Note: model-space state] (aligndp/state/checkpoint.py) ----
     def _part_of(self, name: str) -> OptimizerPart:
         for part in self.parts:
             if name in part.names:
@@ -249,8 +273,10 @@ class CompositeOptimizer(DataParallelOptimizer):
         groups = list(sd.get("param_groups", []))
         counts = [sum(len(opt.param_groups) for opt in part.inner) for part in self.parts]
         if groups and len(groups) != sum(counts):
-            raise ValueError(f"the checkpoint has {len(groups)} optimizer param group(s) but this optimizer has "
-                             f"{sum(counts)} ({counts} per part): build it with the same optimizer and routing")
+            raise ValueError(
+                f"the checkpoint has {len(groups)} optimizer param group(s) but this optimizer has "
+                f"{sum(counts)} ({counts} per part): build it with the same optimizer and routing"
+            )
         for part, count in zip(self.parts, counts):
             part.load_model_space_state_dict(sd | {"param_groups": groups[:count]})
             groups = groups[count:]
@@ -277,5 +303,7 @@ class CompositeOptimizer(DataParallelOptimizer):
 
     def __repr__(self) -> str:
         inner = ", ".join(type(opt).__name__ for opt in self.inner)
-        return (f"CompositeOptimizer({inner}; {len(self.param_groups)} param group(s), "
-                f"Muon cost imbalance {self.imbalance:.3f}, padding {100 * self.padding_fraction:.2f}%)")
+        return (
+            f"CompositeOptimizer({inner}; {len(self.param_groups)} param group(s), "
+            f"Muon cost imbalance {self.imbalance:.3f}, padding {100 * self.padding_fraction:.2f}%)"
+        )

@@ -7,6 +7,7 @@ order they first appear. Every trainable param must be in exactly one group (tor
 silently never step a param left out; aligndp refuses instead). The result is plain data
 each optimizer part cuts by the params it steps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,10 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
         for n, p in named:
             options = param_groups(n, p)
             if not isinstance(options, dict):
-                raise TypeError(f"param_groups callable returned {type(options).__name__} for {n!r}: return a dict "
-                                "of optimizer options, e.g. {'weight_decay': 0.0}")
+                raise TypeError(
+                    f"param_groups callable returned {type(options).__name__} for {n!r}: return a dict "
+                    "of optimizer options, e.g. {'weight_decay': 0.0}"
+                )
             key = tuple(sorted(options.items(), key=lambda kv: kv[0]))
             if key not in members:
                 keys.append(key)
@@ -53,8 +56,10 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
     groups = []
     for i, group in enumerate(param_groups):
         if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(f"param group {i} must be a dict with a 'params' key, like torch's optimizers take, "
-                            f"got {group!r:.80}")
+            raise TypeError(
+                f"param group {i} must be a dict with a 'params' key, like torch's optimizers take, "
+                f"got {group!r:.80}"
+            )
         params = group["params"]
         params = [params] if isinstance(params, (str, nn.Parameter)) else list(params)
         names = []
@@ -62,17 +67,26 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
             n = p if isinstance(p, str) else name_of.get(id(p))
             if n is None or n not in trainable:
                 what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
-                why = "a frozen param (requires_grad=False)" if isinstance(p, str) and p in all_names else \
-                    "not a trainable param of the wrapped module"
-                raise ValueError(f"param group {i} holds {what:.80}: {why}; list the module's own trainable params")
+                why = (
+                    "a frozen param (requires_grad=False)"
+                    if isinstance(p, str) and p in all_names
+                    else "not a trainable param of the wrapped module"
+                )
+                raise ValueError(
+                    f"param group {i} holds {what:.80}: {why}; list the module's own trainable params"
+                )
             if n in seen:
-                raise ValueError(f"param {n!r} is in param groups {seen[n]} and {i}: put it in one group only")
+                raise ValueError(
+                    f"param {n!r} is in param groups {seen[n]} and {i}: put it in one group only"
+                )
             seen[n] = i
             names.append(n)
         groups.append(ParamGroup(tuple(names), {k: v for k, v in group.items() if k != "params"}))
     missing = [n for n, _ in named if n not in seen]
     if missing:
-        raise ValueError(f"trainable params {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no param group: "
-                         "add them to a group (torch would never step them) or set requires_grad_(False) before "
-                         "wrapping")
+        raise ValueError(
+            f"trainable params {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no param group: "
+            "add them to a group (torch would never step them) or set requires_grad_(False) before "
+            "wrapping"
+        )
     return groups

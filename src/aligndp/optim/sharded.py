@@ -7,13 +7,14 @@ one param is the intersection of the param's ``[start, end)`` with its slice: at
 :class:`OwnedSegment` per param and rank (a param lies in one bucket; a slice is contiguous).
 Padding is never stepped — only real elements have segments — so over all ranks the
 segments partition the real elements of every buffer exactly once, which is also what lets
-a checkpoint write each element once (aligndp/checkpoint.py).
+a checkpoint write each element once (aligndp/state/checkpoint.py).
 
 Each segment gets an fp32 master tensor the torch optimizer steps: for fp32 params the
 master *is* the ``param_data`` view (no copy); for 16-bit params it is a view of one fp32
 flat tensor per buffer, cast back into ``param_data`` after every step. Gradients are the
 reduce-scattered ``grad_data`` views (cast to fp32 first where the grad buffer is 16-bit).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,14 +22,18 @@ from collections.abc import Sequence
 
 import torch
 
-from aligndp.buffer import FlatBuffer
-from aligndp.model_space import FlatPiece, model_space_to_torch_state, torch_state_to_model_space
-from aligndp.ddp import DataParallel
-from aligndp.grads import ShardedGrad
-from aligndp.layout import BufferLayout, Mode
 from aligndp.optim.base import is_elementwise
 from aligndp.optim.composite import CompositeOptimizer
 from aligndp.optim.groups import ParamGroup
+from aligndp.plan.layout import BufferLayout, Mode
+from aligndp.runtime.buffer import FlatBuffer
+from aligndp.runtime.ddp import DataParallel
+from aligndp.runtime.grads import ShardedGrad
+from aligndp.state.model_space import (
+    FlatPiece,
+    model_space_to_torch_state,
+    torch_state_to_model_space,
+)
 
 __all__ = ["OwnedSegment", "owned_segments", "check_elementwise", "ShardedPart", "ShardedOptimizer"]
 
@@ -75,7 +80,9 @@ def check_elementwise(opt_class: type[torch.optim.Optimizer], options: dict | No
     if isinstance(opt_class, str):
         from aligndp.optim.base import resolve_optimizer_class
 
-        opt_class = torch.optim.Muon if opt_class.lower() == "muon" else resolve_optimizer_class(opt_class)
+        opt_class = (
+            torch.optim.Muon if opt_class.lower() == "muon" else resolve_optimizer_class(opt_class)
+        )
     if not is_elementwise(opt_class, dict(options or {})):
         name = getattr(opt_class, "__name__", repr(opt_class))
         raise ValueError(
@@ -129,7 +136,9 @@ class ShardedPart:
     ) -> None:
         for buf in buffers:
             if buf.layout.mode is not Mode.SHARDED or buf.param_data is None:
-                raise ValueError(f"ShardedPart steps sharded buffers only, got a {buf.layout.mode.value} buffer")
+                raise ValueError(
+                    f"ShardedPart steps sharded buffers only, got a {buf.layout.mode.value} buffer"
+                )
         self.model = model
         self.rank, self.dp_size = model.rank, model.dp_size
         self.buffers = list(buffers)
@@ -141,13 +150,17 @@ class ShardedPart:
         for g in groups:
             check_elementwise(opt_class, optimizer_kwargs | g.options)
         pieces = [piece for buf in self.buffers for piece in self._bind(buf, group_of)]
-        self.pieces = sorted(pieces, key=lambda p: p.group)  # group-major: the inner optimizer's param order
+        self.pieces = sorted(
+            pieces, key=lambda p: p.group
+        )  # group-major: the inner optimizer's param order
         self._piece_names: list[str | None] = []
         torch_groups = []
         for i, g in enumerate(groups):
             masters = [p.master for p in self.pieces if p.group == i]
             self._piece_names += [p.segment.name for p in self.pieces if p.group == i] or [None]
-            torch_groups.append({"params": masters or [torch.zeros(0, device=self._device)], **g.options})
+            torch_groups.append(
+                {"params": masters or [torch.zeros(0, device=self._device)], **g.options}
+            )
         self.inner = [opt_class(torch_groups, **optimizer_kwargs)]
         self._versions = {id(p.param): p.param._version for p in self.pieces if p.cast_back}
         self._prepared_at: int | None = None
@@ -162,17 +175,28 @@ class ShardedPart:
         if buf.layout.param_dtype == torch.float32:
             flat, cursor = None, None  # masters are the param_data views themselves
         else:
-            flat = torch.empty(sum(s.numel for s in segments), dtype=torch.float32, device=buf.device)
+            flat = torch.empty(
+                sum(s.numel for s in segments), dtype=torch.float32, device=buf.device
+            )
             cursor = 0
         pieces = []
         for s in segments:
             if flat is None:
-                master = buf.param_data[s.start:s.end]
+                master = buf.param_data[s.start : s.end]
             else:
-                master = flat[cursor:cursor + s.numel]
-                master.copy_(buf.param_data[s.start:s.end])
+                master = flat[cursor : cursor + s.numel]
+                master.copy_(buf.param_data[s.start : s.end])
                 cursor += s.numel
-            pieces.append(_Piece(s, params[s.index], buf, master, cast_back=flat is not None, group=group_of[s.name]))
+            pieces.append(
+                _Piece(
+                    s,
+                    params[s.index],
+                    buf,
+                    master,
+                    cast_back=flat is not None,
+                    group=group_of[s.name],
+                )
+            )
         return pieces
 
     # ---- the part interface (aligndp/optim/composite.py) ----
@@ -188,8 +212,11 @@ class ShardedPart:
         (elements still equal to the master's cast keep the master), so the step does not
         write old weights back."""
         for p in self.pieces:
-            if p.cast_back and (p.param._version != self._versions[id(p.param)] or p.param in self.model.data_touched):
-                refresh_master(p.master, p.buffer.param_data[p.segment.start:p.segment.end])
+            if p.cast_back and (
+                p.param._version != self._versions[id(p.param)]
+                or p.param in self.model.data_touched
+            ):
+                refresh_master(p.master, p.buffer.param_data[p.segment.start : p.segment.end])
                 self._versions[id(p.param)] = p.param._version
 
     @torch.no_grad()
@@ -200,7 +227,7 @@ class ShardedPart:
         self._refresh_masters()
         for p in self.pieces:
             if self.model.has_grad(p.param):
-                g = p.buffer.grad_data[p.segment.start:p.segment.end]
+                g = p.buffer.grad_data[p.segment.start : p.segment.end]
                 p.master.grad = g if g.dtype == torch.float32 else g.float()
             else:
                 p.master.grad = None
@@ -228,13 +255,15 @@ class ShardedPart:
         self.inner[0].step()
         low = [p for p in self.pieces if p.cast_back]
         if low:
-            torch._foreach_copy_([p.buffer.param_data[p.segment.start:p.segment.end] for p in low],
-                                 [p.master for p in low])
+            torch._foreach_copy_(
+                [p.buffer.param_data[p.segment.start : p.segment.end] for p in low],
+                [p.master for p in low],
+            )
         for p in self.pieces:
             p.master.grad = None  # never leave an alias of grad_data behind
         self._prepared_at = None
 
-    # ---- model-space state ([Note: model-space state] in aligndp/checkpoint.py) ----
+    # ---- model-space state ([Note: model-space state] in aligndp/state/checkpoint.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened param ``name`` this rank steps; ``(0, 0)`` if none."""
         for p in self.pieces:
@@ -243,10 +272,14 @@ class ShardedPart:
         return 0, 0
 
     def model_space_state_dict(self) -> dict[str, object]:
-        """Owned fp32 params and optimizer state keyed by param name; see aligndp/checkpoint.py."""
+        """Owned fp32 params and optimizer state keyed by param name; see aligndp/state/checkpoint.py."""
         extents = {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
-        sd: dict[str, object] = {f"param.{p.segment.name}": FlatPiece(p.master.detach(), p.segment.offset,
-                                                                       p.param.numel()) for p in self.pieces}
+        sd: dict[str, object] = {
+            f"param.{p.segment.name}": FlatPiece(
+                p.master.detach(), p.segment.offset, p.param.numel()
+            )
+            for p in self.pieces
+        }
         return sd | torch_state_to_model_space(self.inner[0], self._piece_names, extents)
 
     @torch.no_grad()
@@ -256,18 +289,29 @@ class ShardedPart:
         for p in self.pieces:
             piece = sd[f"param.{p.segment.name}"]
             p.master.copy_(piece.tensor)
-            p.buffer.param_data[p.segment.start:p.segment.end].copy_(p.master)
+            p.buffer.param_data[p.segment.start : p.segment.end].copy_(p.master)
         model_space_to_torch_state(self.inner[0], self._piece_names, sd)
 
 
 class ShardedOptimizer(CompositeOptimizer):
     """ZeRO-1: a :class:`CompositeOptimizer` of one :class:`ShardedPart` over every sharded buffer."""
 
-    def __init__(self, model: DataParallel, opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 groups: Sequence[ParamGroup] | None = None, max_grad_norm: float | None = None,
-                 overlap_param_gather: bool = False, **optimizer_kwargs) -> None:
-        part = ShardedPart(model, model.buffers_for(Mode.SHARDED), opt_class, groups=groups, **optimizer_kwargs)
-        super().__init__(model, [part], max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather)
+    def __init__(
+        self,
+        model: DataParallel,
+        opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        groups: Sequence[ParamGroup] | None = None,
+        max_grad_norm: float | None = None,
+        overlap_param_gather: bool = False,
+        **optimizer_kwargs,
+    ) -> None:
+        part = ShardedPart(
+            model, model.buffers_for(Mode.SHARDED), opt_class, groups=groups, **optimizer_kwargs
+        )
+        super().__init__(
+            model, [part], max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather
+        )
 
     @property
     def pieces(self) -> list[_Piece]:

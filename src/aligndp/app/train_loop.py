@@ -1,0 +1,341 @@
+"""The training loop of ``aligndp train``: one rank's view of the job.
+
+Each rank builds the same model (same seed), wraps it with :func:`aligndp.parallelize`, and
+reads its own rows of every global batch (see [Note: batches are functions of (seed, step)]
+in ``data.py``). The logged loss is the mean over all ranks and micro-batches, i.e. the loss
+of the global batch, so it does not depend on how many ranks share the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import aligndp
+from aligndp.app.data import BatchSpec, TokenData
+from aligndp.app.train import TrainConfig
+from aligndp.app.train_report import (
+    MetricsLog,
+    Progress,
+    Summary,
+    finish_report,
+    params_hash,
+    peak_memory_bytes,
+)
+from aligndp.models.gpt import GPT, PRESETS
+from aligndp.state.checkpoint import prune_checkpoints
+
+__all__ = [
+    "train_worker",
+    "launched_worker",
+    "load_data",
+    "latest_checkpoint",
+    "lr_factor",
+    "wgrad_backend",
+    "EVAL_BATCHES",
+]
+
+EVAL_BATCHES = 4
+"""Global batches of the held-out split in one evaluation (the same ones every time)."""
+
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+
+
+def load_data(config: TrainConfig) -> TokenData:
+    return TokenData.from_file(config.data) if config.data else TokenData.synthetic()
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """Path of the ``step-NNNNNN`` entry with the highest step in ``directory``, if any."""
+    if not os.path.isdir(directory):
+        return None
+    steps = [
+        (int(m.group(1)), name)
+        for name in os.listdir(directory)
+        if (m := _CHECKPOINT_NAME.match(name))
+    ]
+    return os.path.join(directory, max(steps)[1]) if steps else None
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Multiplier of the peak lr at ``step`` (0-based) of ``steps``.
+
+    Linear warm-up over the first ``min(20, steps // 10)`` steps (so the first step is not
+    taken at full lr from random init), then cosine decay from 1 to 0.1 at the last step.
+    """
+    warmup = min(20, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_steps = max(1, steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+def _set_lr(optimizer, peak_lrs: list[float], factor: float) -> None:
+    """Set every param group's lr to ``factor`` times its peak (the lr it was built with).
+
+    The peaks are read once, before a checkpoint is loaded: a loaded optimizer carries the
+    scaled lr of its last step, not the peak.
+    """
+    for group, peak in zip(getattr(optimizer, "param_groups", ()), peak_lrs):
+        group["lr"] = peak * factor
+
+
+def wgrad_backend(config: TrainConfig) -> str:
+    """The MX GEMM backend of ``--wgrad``: mxfp8 runs the reference backend (quantise,
+    dequantise, fp32 matmul) on CPU and Triton kernels on CUDA; fp8 exists on CUDA only."""
+    if config.wgrad == "fp8" and config.device != "cuda":
+        raise ValueError(
+            "--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda, "
+            "or --wgrad mxfp8 (which has a CPU reference backend)"
+        )
+    return {"mxfp8": "triton" if config.device == "cuda" else "reference", "fp8": "fp8"}[
+        config.wgrad
+    ]
+
+
+def _device(config: TrainConfig) -> torch.device:
+    if config.device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def launched_worker(config: TrainConfig) -> dict:
+    """Entry point of a rank started by the elastic launcher: one thread per rank's share of cores.
+
+    Ctrl-C reaches every rank too: a rank leaves quietly with status 130 and the launching
+    process prints the one line.
+    """
+    if config.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))
+    try:
+        return train_worker(config)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        os._exit(130)
+
+
+def train_worker(config: TrainConfig) -> dict:
+    """Train on the default process group, starting one from the environment (torchrun, the
+    launcher) or, for a single rank, in this process, when none exists yet."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=config.timeout)  # not torch's 10/30 minutes: --timeout
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    try:
+        return _train(config)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class _Job:
+    """What one rank holds while it trains."""
+
+    config: TrainConfig
+    model: torch.nn.Module
+    optimizer: object
+    data: TokenData
+    spec: BatchSpec
+    device: torch.device
+    rank: int
+    dp_size: int
+    peak_lrs: list[float]
+    """Each optimizer param group's lr as built (see _set_lr)."""
+
+    def autocast(self):
+        if self.config.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        """Mean of a scalar over all ranks."""
+        value = value.detach().float().reshape(1).to(self.device)
+        dist.all_reduce(value)
+        return value.item() / self.dp_size
+
+
+def _setup(config: TrainConfig) -> _Job:
+    rank, dp_size = dist.get_rank(), dist.get_world_size()
+    device = _device(config)
+    model_cfg = PRESETS[config.preset]
+    data = load_data(config)
+    data.check(seq_len=model_cfg.seq_len, vocab_size=model_cfg.vocab_size)
+    spec = BatchSpec(config.batch_size, model_cfg.seq_len, dp_size, config.micro_batches)
+    torch.manual_seed(config.seed)
+    module = GPT(model_cfg).to(device)
+    if config.wgrad != "none":
+        from aligndp.lowp import convert_to_mxfp8
+
+        convert_to_mxfp8(module, backend=wgrad_backend(config))
+    model, optimizer = aligndp.parallelize(
+        module,
+        optimizer=config.optimizer,
+        sharding=config.sharding,
+        lr=config.lr,
+        wgrad=None if config.wgrad == "none" else config.wgrad,
+    )
+    peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
+    return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
+
+
+def _train_step(job: _Job, step: int) -> float:
+    """One optimizer step on global batch ``step``; returns the global batch's mean loss."""
+    micro_batches = job.spec.micro_batches
+    loss_sum = torch.zeros((), device=job.device)
+    for micro_batch in range(micro_batches):
+        x, y = job.data.batch(
+            step, job.spec, seed=job.config.seed, rank=job.rank, micro_batch=micro_batch
+        )
+        last = micro_batch == micro_batches - 1
+        with contextlib.nullcontext() if last else job.model.no_sync():
+            with job.autocast():
+                loss = job.model(x.to(job.device), y.to(job.device))
+            (loss / micro_batches).backward()
+        loss_sum += loss.detach()
+    job.optimizer.step()
+    job.optimizer.zero_grad()
+    return job.global_mean(loss_sum / micro_batches)
+
+
+@torch.no_grad()
+def _evaluate(job: _Job) -> float:
+    """Mean loss over the first :data:`EVAL_BATCHES` global batches of the held-out split."""
+    spec = dataclasses.replace(job.spec, micro_batches=1)
+    total = torch.zeros((), device=job.device)
+    for index in range(EVAL_BATCHES):
+        x, y = job.data.batch(index, spec, seed=0, rank=job.rank, split="eval")
+        with job.autocast():
+            total += job.model(x.to(job.device), y.to(job.device)).float()
+    return job.global_mean(total / EVAL_BATCHES)
+
+
+def _checkpoint(job: _Job, step: int) -> None:
+    path = os.path.join(job.config.checkpoint_path, f"step-{step:06d}")
+    aligndp.save(path, job.model, job.optimizer, step=step, timeout=job.config.timeout)
+    if job.config.keep_last and job.rank == 0:
+        prune_checkpoints(job.config.checkpoint_path, job.config.keep_last)
+
+
+def _train(config: TrainConfig) -> dict:
+    wall_started = time.perf_counter()
+    try:
+        job = _setup(config)
+        start_step = 0
+        if config.resume:
+            start_step = aligndp.load(
+                latest_checkpoint(config.checkpoint_path),
+                job.model,
+                job.optimizer,
+                timeout=config.timeout,
+            )
+    except NotImplementedError as e:
+        # Raised alike on every rank (it depends on the options only): one line, exit 2.
+        return {"error": f"not implemented yet: {e}"}
+    except (ValueError, TypeError) as e:
+        return {"error": str(e)}
+    if job.rank == 0:
+        os.makedirs(config.out, exist_ok=True)
+        _print_header(job, start_step)
+    metrics = MetricsLog(
+        os.path.join(config.out, "metrics.jsonl"), start_step=start_step, enabled=job.rank == 0
+    )
+    tokens_per_step = config.batch_size * job.spec.seq_len
+    progress = Progress(total=config.steps, initial=start_step, enabled=job.rank == 0)
+    timed_tokens, timed_seconds = 0, 0.0
+    # a run resumed from its last checkpoint has no step left: report what metrics.jsonl holds
+    train_loss = metrics.records[-1]["loss"] if metrics.records else float("nan")
+    eval_loss = next(
+        (r["eval_loss"] for r in reversed(metrics.records) if "eval_loss" in r), float("nan")
+    )
+    for step in range(start_step, config.steps):
+        factor = lr_factor(step, config.steps)
+        _set_lr(job.optimizer, job.peak_lrs, factor)
+        started = time.perf_counter()
+        train_loss = _train_step(job, step)
+        seconds = time.perf_counter() - started
+        if step > start_step:  # the first step pays for warm-up; leave it out of the rate
+            timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
+        record = {
+            "step": step,
+            "loss": train_loss,
+            "lr": config.lr * factor,
+            "tokens_per_s": tokens_per_step / seconds,
+            "step_s": seconds,
+        }
+        done = step + 1
+        if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+            eval_loss = record["eval_loss"] = _evaluate(job)
+        if config.checkpoint_every and done % config.checkpoint_every == 0:
+            try:
+                _checkpoint(job, done)
+            except (
+                ValueError,
+                OSError,
+            ) as e:  # raised alike on every rank ([Note: checkpoint safety])
+                progress.close()
+                return {"error": str(e)}
+        metrics.write(record)
+        progress.update(record)
+    progress.close()
+    in_sync = _replicas_in_sync(job)
+    summary = Summary(
+        steps=config.steps,
+        start_step=start_step,
+        dp_size=job.dp_size,
+        vocab_size=PRESETS[config.preset].vocab_size,
+        train_loss=train_loss,
+        eval_loss=eval_loss,
+        first_loss=metrics.first_loss,
+        tokens_per_s=timed_tokens / timed_seconds if timed_seconds else float("nan"),
+        replicas_in_sync=in_sync,
+        peak_memory_bytes=_max_over_ranks(job, peak_memory_bytes(job.device)),
+        wall_s=time.perf_counter() - wall_started,
+    )
+    return finish_report(summary, job.model, out=config.out, metrics=metrics, enabled=job.rank == 0)
+
+
+def _print_header(job: _Job, start_step: int) -> None:
+    config, cfg = job.config, PRESETS[job.config.preset]
+    numel = sum(p.numel() for p in job.model.module.parameters())
+    backend = dist.get_backend()
+    resumed = f", resuming at step {start_step}" if start_step else ""
+    print(
+        f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} rank(s), "
+        f"{config.optimizer}, sharding {config.sharding}; global batch {config.batch_size} x {cfg.seq_len} tokens "
+        f"in {config.micro_batches} micro-batch(es); data: {job.data.name} ({len(job.data):,} tokens); "
+        f"{config.steps} steps{resumed}",
+        flush=True,
+    )
+
+
+def _max_over_ranks(job: _Job, value: int) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=job.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def _replicas_in_sync(job: _Job) -> bool:
+    """Whether every rank holds bit-identical params (one hash per rank, all-gathered)."""
+    mine = torch.tensor([params_hash(job.model.module)], dtype=torch.int64, device=job.device)
+    hashes = [torch.zeros_like(mine) for _ in range(job.dp_size)]
+    dist.all_gather(hashes, mine)
+    return len({int(h.item()) for h in hashes}) == 1

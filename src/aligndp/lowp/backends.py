@@ -1,0 +1,232 @@
+"""GEMM backends of :class:`aligndp.lowp.MXLinear`, behind one small interface.
+
+[Note: wgrad backends]
+Each backend does the three GEMMs of a linear layer on quantised operands, each operand
+quantised along that GEMM's contraction dim (tokens for the wgrad), and declares the layout
+:class:`~aligndp.plan.layout.Requirement` of its fused wgrad (from :mod:`aligndp.lowp.recipes`, where the
+numbers live once). Before writing into ``main_grad`` every backend checks the real view it
+was given (its pointer, shape, dtype), so a misplanned buffer is a ``ValueError`` that names
+the offset and the rule, never a kernel fault.
+
+- ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad.
+- ``triton`` (Hopper): MXFP8 quantise kernel, then an exact dequantise pass and a bf16-MMA
+  GEMM accumulating in place (Hopper has no MX MMA; see [Note: block-scaled GEMM]).
+- ``fp8`` (Hopper): 1x128 blockwise FP8 (float32 scales): TMA-pipelined fp8 GEMM promoting
+  each 128-wide K block into float32, accumulating in place.
+The GPU backends import Triton on first use only.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from aligndp.lowp.mx_format import dequantize_mxfp8, padded_length, quantize_mxfp8
+from aligndp.lowp.recipes import wgrad_requirements
+from aligndp.plan.layout import Requirement
+
+__all__ = [
+    "WgradBackend",
+    "ReferenceBackend",
+    "get_backend",
+    "BACKENDS",
+    "pad_tokens",
+    "check_main_grad",
+]
+
+KERNEL_BYTE_ALIGNMENT = 16
+"""Byte alignment of every pointer the GPU kernels read or write (vector loads, TMA)."""
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pad_tokens(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad dim 0 of a (tokens, features) tensor to a multiple of ``multiple``.
+
+    Zero rows add nothing to a wgrad sum and never raise a block's amax, so padding the
+    token dim is exact; it lets any batch size feed a GEMM quantised along tokens.
+    """
+    rows = t.shape[0]
+    target = padded_length(rows, multiple)
+    if target == rows:
+        return t
+    return torch.cat([t, t.new_zeros(target - rows, *t.shape[1:])])
+
+
+def check_main_grad(
+    main_grad: torch.Tensor,
+    requirement: Requirement,
+    *,
+    shape: tuple[int, ...],
+    device: torch.device,
+    byte_alignment: int = KERNEL_BYTE_ALIGNMENT,
+) -> None:
+    """Raise ``ValueError`` unless ``main_grad`` is a view a fused wgrad may write into.
+
+    Checks, from the real pointers: the weight's ``shape``, contiguous, float32/bfloat16,
+    same device, and the address a multiple of the requirement's alignment in bytes
+    (``start_alignment(itemsize) * itemsize``) and of ``byte_alignment``. The rule is on the
+    address, not on the offset from the storage start: aligndp's buffers begin at an aligned
+    address inside an over-allocated storage (:func:`aligndp.runtime.buffer.aligned_empty`), so an
+    aligned view may sit at any storage offset; the offset is only quoted in the message.
+    """
+    if not isinstance(main_grad, torch.Tensor):
+        raise TypeError(
+            f"main_grad must be a tensor view of the grad buffer, got {type(main_grad).__name__}"
+        )
+    if tuple(main_grad.shape) != tuple(shape):
+        raise ValueError(
+            f"main_grad has shape {tuple(main_grad.shape)} but the weight has {tuple(shape)}; "
+            "bind a view of the weight's shape, e.g. buffer[start:end].view(weight.shape)"
+        )
+    if main_grad.dtype not in _GRAD_DTYPES:
+        raise ValueError(
+            f"main_grad dtype {main_grad.dtype} is not supported; use float32 or bfloat16 grad buffers"
+        )
+    if main_grad.device != torch.device(device):
+        raise ValueError(f"main_grad is on {main_grad.device} but the weight is on {device}")
+    if not main_grad.is_contiguous():
+        raise ValueError(
+            f"main_grad with strides {main_grad.stride()} is not contiguous; bind a contiguous view"
+        )
+    item = main_grad.element_size()
+    address = main_grad.data_ptr()
+    offset = (address - main_grad.untyped_storage().data_ptr()) // item
+    align = requirement.start_alignment(item)
+    where = f"main_grad starts at element {offset} ({offset * item} B) of its storage, address {address:#x}"
+    if address % (align * item):
+        raise ValueError(
+            f"{where}: address % {align * item} = {address % (align * item)}; rule: {requirement.rule} "
+            f"needs {align}-element starts ({align * item} B aligned addresses); plan the layout with "
+            f"start_alignment={align} and allocate the buffer with aligned_empty()"
+        )
+    if address % byte_alignment:
+        raise ValueError(
+            f"{where}: address % {byte_alignment} = {address % byte_alignment}; rule: the wgrad "
+            f"kernel needs {byte_alignment}-byte aligned pointers; allocate the buffer with torch"
+        )
+
+
+class WgradBackend(abc.ABC):
+    """One recipe's three GEMMs on 2-D operands; see [Note: wgrad backends].
+
+    Shapes: ``x`` (tokens, in), ``weight`` (out, in), ``grad_out`` (tokens, out).
+    """
+
+    name: str = ""
+    recipe: str = "mxfp8"
+    """Key of :func:`aligndp.lowp.recipes.wgrad_requirements`."""
+
+    @property
+    def requirement(self) -> Requirement:
+        (req,) = wgrad_requirements(self.recipe)
+        return req
+
+    def check(self, main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless this backend may accumulate ``grad_out.T @ x`` into ``main_grad``."""
+        check_main_grad(
+            main_grad, self.requirement, shape=(grad_out.shape[1], x.shape[1]), device=x.device
+        )
+
+    @abc.abstractmethod
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` (tokens, out) in ``x.dtype``; contraction over in-features."""
+
+    @abc.abstractmethod
+    def dgrad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``grad_out @ weight`` (tokens, in) in ``grad_out.dtype``; contraction over out-features."""
+
+    @abc.abstractmethod
+    def wgrad(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``grad_out.T @ x`` (out, in) in float32; contraction over tokens."""
+
+    def wgrad_accumulate(
+        self, grad_out: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor
+    ) -> None:
+        """``main_grad += grad_out.T @ x`` after checking the view. Backends with an
+        in-place kernel override this; the default adds the float32 wgrad."""
+        self.check(main_grad, grad_out, x)
+        main_grad.add_(self.wgrad(grad_out, x))
+
+    def forward_for_backward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, object]:
+        """``(forward(x, weight) + bias, saved)``, ``saved`` being what :meth:`backward` needs of
+        this call. The default adds the bias in the output's dtype and saves ``x`` itself (a
+        tensor: :class:`aligndp.lowp.MXLinear` keeps it with ``save_for_backward``); backends that
+        quantise each operand once, for both of its GEMMs, save those operands instead, and
+        may add the bias in their GEMM's epilogue."""
+        y = self.forward(x, weight)
+        return (y if bias is None else y + bias.to(y.dtype)), x
+
+    def backward(
+        self,
+        saved: object,
+        grad_out: torch.Tensor,
+        weight: torch.Tensor,
+        *,
+        need_dgrad: bool,
+        need_wgrad: bool,
+        main_grad: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(grad_x, grad_w)`` for one :meth:`forward_for_backward` call, None where not needed.
+        With ``main_grad`` (a view of the grad buffer) the wgrad is accumulated into it, after
+        the checks of :meth:`check`, and ``grad_w`` is None."""
+        grad_x = self.dgrad(grad_out, weight) if need_dgrad else None
+        grad_w = None
+        if need_wgrad:
+            x = saved.to(grad_out.dtype)
+            if main_grad is None:
+                grad_w = self.wgrad(grad_out, x)
+            else:
+                self.wgrad_accumulate(grad_out, x, main_grad)
+        return grad_x, grad_w
+
+
+def _mx(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` through MXFP8 E4M3 along ``dim`` and back, as float32."""
+    return dequantize_mxfp8(quantize_mxfp8(t, dim=dim), dim=dim)
+
+
+class ReferenceBackend(WgradBackend):
+    """MXFP8 by the book on any device: quantise, dequantise, float32 matmul. The parity
+    target of the GPU backends; its numerics equal an exact MXFP8 GEMM up to fp32 rounding."""
+
+    name = "reference"
+
+    def forward(self, x, weight):
+        return (_mx(x, -1) @ _mx(weight, -1).T).to(x.dtype)
+
+    def dgrad(self, grad_out, weight):
+        return (_mx(grad_out, -1) @ _mx(weight, 0)).to(grad_out.dtype)
+
+    def wgrad(self, grad_out, x):
+        return _mx(pad_tokens(grad_out, 32), 0).T @ _mx(pad_tokens(x, 32), 0)
+
+
+BACKENDS = ("reference", "triton", "fp8")
+
+
+def get_backend(backend: str | WgradBackend) -> WgradBackend:
+    """A backend instance by name (``reference``, ``triton``, ``fp8``), or ``backend`` itself."""
+    if isinstance(backend, WgradBackend):
+        return backend
+    if backend == "reference":
+        return ReferenceBackend()
+    if backend in ("triton", "fp8"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"backend {backend!r} runs Triton kernels on a CUDA GPU (Hopper), and none is "
+                "available; use backend='reference' on CPU"
+            )
+        from aligndp.lowp import triton_backend  # imports Triton: GPU only
+
+        return (
+            triton_backend.TritonMXBackend()
+            if backend == "triton"
+            else triton_backend.TritonFP8Backend()
+        )
+    raise ValueError(
+        f"unknown MX backend {backend!r}: choose one of {', '.join(BACKENDS)} or pass a WgradBackend"
+    )

@@ -1,0 +1,185 @@
+"""``MXLinear``: a drop-in ``nn.Linear`` whose GEMMs run on MXFP8 operands, and a converter.
+
+The weight gradient can be fused into the data-parallel grad buffer: see [Note: fused wgrad]
+in :mod:`aligndp.plan.fused`. With a sink bound and a view available, backward accumulates
+``grad_out.T @ x`` straight into ``sink.main_grad(weight)`` (float32 or bfloat16, whatever
+the weight's dtype), returns no weight gradient (so no ``param.grad`` is allocated) and calls
+``sink.mark_ready(weight)``. The bias gradient always flows through plain autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from aligndp.lowp.backends import WgradBackend, get_backend
+from aligndp.plan.fused import GradSink
+from aligndp.plan.layout import Requirement
+
+__all__ = ["MXLinear", "convert_to_mxfp8", "default_filter"]
+
+MX_BLOCK = 32
+
+
+class _MXLinearFunction(torch.autograd.Function):
+    """``x @ weight.T`` with quantised GEMMs; the weight grad optionally fused into main_grad."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        backend: WgradBackend,
+        sink: GradSink | None,
+    ):
+        x2d = x.reshape(-1, x.shape[-1])  # (tokens, in)
+        with torch.autocast(x.device.type, enabled=False):  # the backends pick their own precisions
+            y, saved = backend.forward_for_backward(x2d, weight, bias)
+        # the weight goes through save_for_backward for autograd's in-place-modification check;
+        # a backend's quantised operands (not inputs or outputs of this node) ride on ctx
+        if isinstance(saved, torch.Tensor):
+            ctx.save_for_backward(weight, saved)
+            ctx.saved_operands = None
+        else:
+            ctx.save_for_backward(weight)
+            ctx.saved_operands = saved
+        ctx.backend, ctx.sink = backend, sink
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        weight, *saved = ctx.saved_tensors
+        saved = saved[0] if saved else ctx.saved_operands
+        if saved is None:
+            raise RuntimeError(
+                "MXLinear's quantised operands were freed by the first backward through this "
+                "graph; backward(retain_graph=True) twice is not supported by the GPU backends"
+            )
+        # free the operands now, not when the graph is collected (the loss may outlive backward)
+        ctx.saved_operands = None
+        backend, sink = ctx.backend, ctx.sink
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        main_grad = sink.main_grad(weight) if sink is not None and need_wgrad else None
+        grad_x, grad_w = backend.backward(
+            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad, main_grad=main_grad
+        )
+        if grad_x is not None:
+            grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if main_grad is not None:
+            sink.mark_ready(weight)
+        grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class MXLinear(nn.Linear):
+    """``nn.Linear`` with MXFP8 forward, dgrad and wgrad GEMMs; same params and state_dict keys.
+
+    ``in_features`` and ``out_features`` must be multiples of 32 (the MX block), since each
+    is the contraction dim of one GEMM. Implements :class:`aligndp.plan.fused.FusedWgradModule`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        backend: str | WgradBackend = "reference",
+        device=None,
+        dtype=None,
+    ):
+        for name, size in (("in_features", in_features), ("out_features", out_features)):
+            if size % MX_BLOCK:
+                raise ValueError(
+                    f"MXLinear needs {name} to be a multiple of {MX_BLOCK} (the MX block, along which "
+                    f"its GEMM contracts), got {size}; keep this layer an nn.Linear or pad it"
+                )
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.backend = get_backend(backend)
+        self._grad_sink: GradSink | None = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, backend: str | WgradBackend = "reference"
+    ) -> MXLinear:
+        """An MXLinear sharing ``linear``'s parameter objects (optimizers built on them keep working)."""
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            backend=backend,
+            device="meta",
+        )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def wgrad_requirements(self) -> list[Requirement]:
+        return [self.backend.requirement]
+
+    def bind_grad_sink(self, sink: GradSink | None) -> None:
+        self._grad_sink = sink
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            # as nn.Linear under autocast: input, output and bias add in the autocast dtype
+            # (the weight is quantised from its own dtype, so it needs no cast)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return _MXLinearFunction.apply(x, self.weight, self.bias, self.backend, self._grad_sink)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend.name}"
+
+
+def default_filter(
+    name: str, module: nn.Linear, *, last_linear: str = "", shared: frozenset = frozenset()
+) -> bool:
+    """Convert ``module`` unless: a dim is not a multiple of 32 (no whole MX blocks); it is the
+    model's last ``nn.Linear`` in registration order (the output head, whose logits are the
+    most precision-sensitive GEMM; torchao and TE recipes keep it high precision too); or its
+    weight is shared with another module (tied embeddings: the fused wgrad would bypass the
+    other user's autograd path)."""
+    dims_ok = module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0
+    return dims_ok and name != last_linear and name not in shared
+
+
+def _shared_weight_linears(model: nn.Module) -> frozenset:
+    """Names of Linear modules whose weight is also a param of another module."""
+    owners: dict[int, list[str]] = {}
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(mod_name)
+    return frozenset(n for names in owners.values() if len(names) > 1 for n in names)
+
+
+def convert_to_mxfp8(
+    model: nn.Module,
+    *,
+    filter: Callable[[str, nn.Linear], bool] | None = None,
+    backend: str | WgradBackend = "reference",
+) -> nn.Module:
+    """Swap ``nn.Linear`` modules of ``model`` (in place) for :class:`MXLinear`; return ``model``.
+
+    ``filter(name, module) -> bool`` picks which (``name`` as in ``named_modules``); the default
+    is :func:`default_filter`. Parameters are reused, so state_dict keys and optimizers are
+    unchanged; model code is not touched.
+    """
+    backend = get_backend(backend)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    if filter is None:
+        last, shared = (linears[-1][0] if linears else ""), _shared_weight_linears(model)
+        filter = lambda n, m: default_filter(n, m, last_linear=last, shared=shared)  # noqa: E731
+    for name, module in linears:
+        if not filter(name, module):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MXLinear.from_linear(module, backend=backend))
+    return model

@@ -1,0 +1,144 @@
+"""The Hopper backends of MXLinear: MXFP8 (``triton``) and 1x128 blockwise FP8 (``fp8``).
+
+Both quantise each operand along its GEMM's contraction dim and run the block-scaled GEMM of
+:mod:`aligndp.lowp.triton_kernels`, whose wgrad accumulates in place into ``main_grad`` after
+the pointer checks of :class:`~aligndp.lowp.backends.WgradBackend`. Inside MXLinear every
+tensor is quantised once, rows and columns in one pass, for both GEMMs that read it: ``x``
+(forward, then wgrad, saved as fp8), the weight (forward, then dgrad) and ``grad_out``
+(dgrad and wgrad): three quantise launches per layer and step instead of six, and fp8 rather
+than ``x`` kept for backward. Importing this module imports Triton;
+:func:`aligndp.lowp.backends.get_backend` does so lazily.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from aligndp.lowp.backends import WgradBackend, check_main_grad, pad_tokens
+from aligndp.lowp.mx_format import padded_length
+from aligndp.lowp.triton_kernels import QuantizedOperand, quantize_rows_and_columns, scaled_gemm
+
+__all__ = ["TritonMXBackend", "TritonFP8Backend"]
+
+
+def _pad_2d(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad both dims of a 2-D tensor to multiples of ``multiple`` (exact for GEMMs)."""
+    rows, cols = t.shape
+    extra_rows, extra_cols = (
+        padded_length(rows, multiple) - rows,
+        padded_length(cols, multiple) - cols,
+    )
+    return F.pad(t, (0, extra_cols, 0, extra_rows)) if extra_rows or extra_cols else t
+
+
+class _Saved(NamedTuple):
+    """What one MXLinear call keeps for its backward: the column-wise (K = tokens / out-features)
+    operands of ``x`` and the weight, and the unpadded shapes."""
+
+    x_col: QuantizedOperand
+    weight_col: QuantizedOperand
+    tokens: int
+    in_features: int
+    out_features: int
+
+
+class TritonMXBackend(WgradBackend):
+    """MXFP8 E4M3, 1x32 E8M0 blocks; numerics of :class:`~aligndp.lowp.backends.ReferenceBackend`
+    up to float32 summation order."""
+
+    name = "triton"
+    recipe = "mxfp8"
+    block = 32
+    mx = True
+
+    def _quantize(
+        self, t: torch.Tensor, *, rowwise: bool = True, colwise: bool = True
+    ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
+        """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
+        (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for."""
+        return quantize_rows_and_columns(
+            _pad_2d(t, self.block), block=self.block, mx=self.mx, rowwise=rowwise, colwise=colwise
+        )
+
+    def _gemm(
+        self,
+        a: QuantizedOperand,
+        b: QuantizedOperand,
+        rows: int,
+        cols: int,
+        dtype,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = torch.empty(a.data.shape[0], b.data.shape[0], dtype=dtype, device=a.data.device)
+        scaled_gemm(a, b, out, block=self.block, mx=self.mx, bias=bias)
+        return out[:rows, :cols]
+
+    def forward(self, x, weight):
+        a, b = self._quantize(x, colwise=False)[0], self._quantize(weight, colwise=False)[0]
+        return self._gemm(a, b, x.shape[0], weight.shape[0], x.dtype)
+
+    def dgrad(self, grad_out, weight):
+        a, b = self._quantize(grad_out, colwise=False)[0], self._quantize(weight, rowwise=False)[1]
+        return self._gemm(a, b, grad_out.shape[0], weight.shape[1], grad_out.dtype)
+
+    def _wgrad_operands(self, grad_out, x) -> tuple[QuantizedOperand, QuantizedOperand]:
+        return (
+            self._quantize(pad_tokens(grad_out, self.block), rowwise=False)[1],
+            self._quantize(pad_tokens(x, self.block), rowwise=False)[1],
+        )
+
+    def wgrad(self, grad_out, x):
+        a, b = self._wgrad_operands(grad_out, x)
+        return self._gemm(a, b, grad_out.shape[1], x.shape[1], torch.float32)
+
+    def wgrad_accumulate(self, grad_out, x, main_grad):
+        self.check(main_grad, grad_out, x)
+        self._accumulate(*self._wgrad_operands(grad_out, x), main_grad)
+
+    def _accumulate(
+        self, a: QuantizedOperand, b: QuantizedOperand, main_grad: torch.Tensor
+    ) -> None:
+        """``main_grad += A @ B.T``, in place unless a feature dim was padded to the block."""
+        rows, cols = main_grad.shape
+        if rows % self.block or cols % self.block:  # ragged feature dims: no in-place kernel
+            main_grad.add_(self._gemm(a, b, rows, cols, torch.float32))
+        else:
+            scaled_gemm(a, b, main_grad, block=self.block, mx=self.mx, accumulate=True)
+
+    def forward_for_backward(self, x, weight, bias=None):
+        x_row, x_col = self._quantize(x)
+        w_row, w_col = self._quantize(weight)
+        y = self._gemm(
+            x_row, w_row, x.shape[0], weight.shape[0], x.dtype, bias=bias
+        )  # bias in the epilogue
+        return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
+
+    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, main_grad):
+        x_col, w_col, tokens, n_in, n_out = saved
+        if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
+            return None, None
+        dy_row, dy_col = self._quantize(grad_out, rowwise=need_dgrad, colwise=need_wgrad)
+        grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
+        grad_w = None
+        if need_wgrad:
+            if main_grad is None:
+                grad_w = self._gemm(dy_col, x_col, n_out, n_in, torch.float32)
+            else:
+                check_main_grad(
+                    main_grad, self.requirement, shape=(n_out, n_in), device=grad_out.device
+                )
+                self._accumulate(dy_col, x_col, main_grad)
+        return grad_x, grad_w
+
+
+class TritonFP8Backend(TritonMXBackend):
+    """1x128 blockwise FP8 E4M3 with float32 scales ``amax / 448`` along the contraction dim;
+    the GEMM promotes to float32 once per 128-wide K block."""
+
+    name = "fp8"
+    recipe = "fp8"
+    block = 128
+    mx = False

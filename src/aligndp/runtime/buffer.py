@@ -1,0 +1,123 @@
+"""Flat buffers allocated from a layout, and the param views bound into them.
+
+One :class:`FlatBuffer` per :class:`~aligndp.plan.layout.BufferLayout`: ``grad_data`` always,
+``param_data`` when an optimizer shards params (then ``param.data`` is rebound to a view of
+it, values preserved). Every param gets ``main_grad``, a view at its layout offset.
+
+[Note: alignment contract] continued: the layout fixes element offsets; this module makes
+the byte addresses follow. The storage is over-allocated and the buffer starts at the first
+address aligned to ``start_alignment * itemsize`` bytes, then every view's real
+``data_ptr()`` is checked — a CPU allocator only promises 64 B, an fp32 view with 64-element
+starts needs 256 B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from aligndp.plan.layout import BufferLayout, ParamSlot, validate
+
+__all__ = ["FlatBuffer", "aligned_empty", "check_pointer_alignment"]
+
+
+def aligned_empty(
+    numel: int, *, dtype: torch.dtype, device: torch.device, align_bytes: int
+) -> torch.Tensor:
+    """A zeroed 1-D tensor of ``numel`` elements whose ``data_ptr()`` is a multiple of ``align_bytes``."""
+    item = dtype.itemsize
+    slack = max(align_bytes // item, 1)
+    raw = torch.zeros(numel + slack, dtype=dtype, device=device)
+    skip = (-raw.data_ptr() % align_bytes) // item
+    assert (raw.data_ptr() + skip * item) % align_bytes == 0, (
+        "allocation not aligned to the element size"
+    )
+    return raw[skip : skip + numel]
+
+
+def check_pointer_alignment(
+    view: torch.Tensor, *, slot: ParamSlot, align_bytes: int, what: str
+) -> None:
+    """Raise ``ValueError`` if ``view``'s real address is not a multiple of ``align_bytes``."""
+    ptr = view.data_ptr()
+    if ptr % align_bytes:
+        raise ValueError(
+            f"param {slot.name!r} {what} view starts at element {slot.start} "
+            f"(address {ptr:#x}, {ptr % align_bytes} B past a {align_bytes}-byte boundary): "
+            f"the layout's {align_bytes // view.element_size()}-element start rule needs "
+            f"{align_bytes}-byte addresses; allocate the buffer with aligned_empty()"
+        )
+
+
+class FlatBuffer:
+    """Storage for one layout; binds ``main_grad`` (and optionally ``param.data``) views."""
+
+    def __init__(
+        self,
+        layout: BufferLayout,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        with_param_data: bool = False,
+    ) -> None:
+        """``params`` in registration order, matching the layout's slots by ``index``."""
+        validate(layout)
+        slots = sorted(layout.params, key=lambda s: s.index)
+        if len(slots) != len(params):
+            raise ValueError(f"layout has {len(slots)} params but {len(params)} were given")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(
+                f"params of one buffer live on {len(devices)} devices {sorted(map(str, devices))}: "
+                "move the whole module to one device (module.to(device)) before wrapping it"
+            )
+        self.layout = layout
+        self.device = devices.pop()
+        self.params: list[torch.nn.Parameter] = list(params)
+        self.slots: list[ParamSlot] = slots
+        for p, s in zip(params, slots):
+            if tuple(p.shape) != s.shape or p.dtype != layout.param_dtype:
+                raise ValueError(
+                    f"param {s.name!r} is {tuple(p.shape)} {p.dtype} but the layout planned {s.shape} "
+                    f"{layout.param_dtype}: plan the layout from this module's params"
+                )
+        self.grad_data = self._allocate(layout.grad_dtype)
+        self.param_data = self._allocate(layout.param_dtype) if with_param_data else None
+        self.main_grads: list[torch.Tensor] = []
+        for p, s in zip(params, slots):
+            view = self.grad_data[s.start : s.end].view(s.shape)
+            check_pointer_alignment(
+                view, slot=s, align_bytes=self._align_bytes(layout.grad_dtype), what="main_grad"
+            )
+            self.main_grads.append(view)
+            p.main_grad = view  # the documented name consumers read (Megatron's convention)
+            if self.param_data is not None:
+                pview = self.param_data[s.start : s.end].view(s.shape)
+                check_pointer_alignment(
+                    pview, slot=s, align_bytes=self._align_bytes(layout.param_dtype), what="param"
+                )
+                pview.copy_(p.data)
+                p.data = pview
+
+    def _align_bytes(self, dtype: torch.dtype) -> int:
+        return self.layout.start_alignment * dtype.itemsize
+
+    def _allocate(self, dtype: torch.dtype) -> torch.Tensor:
+        return aligned_empty(
+            self.layout.padded_numel,
+            dtype=dtype,
+            device=self.device,
+            align_bytes=self._align_bytes(dtype),
+        )
+
+    def bucket_grad(self, bucket: int) -> torch.Tensor:
+        b = self.layout.buckets[bucket]
+        return self.grad_data[b.start : b.end]
+
+    def bucket_param(self, bucket: int) -> torch.Tensor:
+        assert self.param_data is not None, "this buffer holds no param_data"
+        b = self.layout.buckets[bucket]
+        return self.param_data[b.start : b.end]
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()

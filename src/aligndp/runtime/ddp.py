@@ -1,0 +1,433 @@
+"""DataParallel: gradient hooks, bucket readiness, overlapped bucket collectives.
+
+Timeline of one synchronised backward (NCCL runs collectives on its own stream, gloo on its
+own threads, so a launched collective overlaps the rest of backward):
+
+    backward (default stream) ── grads of bucket 0 ready ── grads of bucket 1 ready ── ... end
+                                   │ launch collective 0        │ launch collective 1        │
+    comm (NCCL stream / gloo)      └──── reduce bucket 0 ─────┘ └──── reduce bucket 1 ──── ┘
+    end of backward (autograd callback): launch what is left, wait for all, agree, publish.
+
+[Note: step states] (DESIGN.md): IDLE after ``zero_grad``; ACCUMULATING while gradients
+arrive; REDUCED once a synchronised backward ended — its autograd callback launched what was
+left, waited, agreed with the other ranks in one small all-reduce (``_agree``) and published
+``param.grad`` (the reduced view, or a ``ShardedGrad`` in sharded modes). A gradient arriving
+in REDUCED reopens the buffers first (``_reopen``), as torch accumulates into ``param.grad``.
+
+[Note: bucket readiness]
+Each param's autograd hook fires once per backward; a fused-wgrad layer marks its weight
+once per use. Readiness hints are the counts of the last synchronised backward: a bucket
+launches as soon as each of its params has fired as often as last time, and a bucket with a
+param that had no gradient last time waits for the end of backward, so a param used for
+the first time can never arrive after its bucket's collective started. Buckets launch
+strictly in index order (bucket i waits for 0..i-1), so every rank issues the same sequence.
+The first synchronised backward launches everything at its end.
+
+[Note: lazy zeroing]
+``zero_grad`` does not write the buffers; it marks every param's ``main_grad`` stale. A
+param's first gradient of the step is *copied* into its view, later ones added; a view still
+stale when its bucket is launched — an unused param — is zeroed then, and so is one handed to
+a fused wgrad kernel. Padding is never written, so it stays zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligndp.plan.fused import fused_wgrad_modules
+from aligndp.plan.layout import (
+    DEFAULT_BUCKET_NUMEL,
+    DEFAULT_START_ALIGNMENT,
+    BufferLayout,
+    Mode,
+    ParamSpec,
+    Requirement,
+    plan_buffers,
+)
+from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
+from aligndp.runtime.buffer import FlatBuffer
+from aligndp.runtime.grad_sync import BucketRef, GradSync, StepState, _Slot
+from aligndp.runtime.grads import ShardedGrad
+
+__all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
+
+NONFINITE_ACTIONS = ("raise", "skip")
+
+_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""id(param) -> (the param, the DataParallel whose hooks take its gradients), both weakly:
+one owner at a time. (Tensors cannot be keys of a WeakKeyDictionary: it compares keys with ==.)"""
+
+
+def _owner_of(param: nn.Parameter) -> DataParallel | None:
+    entry = _OWNER.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+class _WrappedParameter(nn.Parameter):
+    """The class of a trainable ``nn.Parameter`` once a :class:`DataParallel` owns it: its
+    ``main_grad`` is its buffer view, zeroed on first touch after ``zero_grad`` ([Note: lazy
+    zeroing]), so Megatron / Transformer Engine style writes into ``param.main_grad`` count."""
+
+    @property
+    def main_grad(self) -> torch.Tensor:
+        owner = _owner_of(self)
+        if owner is None or owner._replaced:
+            raise AttributeError(
+                "main_grad: this param's DataParallel is gone; wrap the module again"
+            )
+        return owner.main_grad_view(self)
+
+    @main_grad.setter
+    def main_grad(self, value: torch.Tensor) -> None:
+        """Ignored: the owning DataParallel's view is authoritative (a new wrap's FlatBuffer
+        binds its views before it takes the params over from the old wrapper)."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        """``param.data``, noted: a write through it bypasses torch's version counter, so the
+        owner compares this param with its fp32 master before the next step."""
+        owner = _owner_of(self)
+        if owner is not None:
+            owner.data_touched.add(self)
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = t`` after wrapping copies ``t`` into the param's storage, which the
+        buffers own (a new storage would cut the param off from them)."""
+        if _BINDING:
+            _TENSOR_DATA.__set__(self, value)
+            return
+        current = _TENSOR_DATA.__get__(self)
+        if (
+            value.shape != current.shape
+            or value.dtype != current.dtype
+            or value.device != current.device
+        ):
+            raise ValueError(
+                f"param.data = a {tuple(value.shape)} {value.dtype} tensor on {value.device} after wrapping: the "
+                f"param is {tuple(current.shape)} {current.dtype} on {current.device} inside aligndp's flat "
+                "buffers; move or cast the module before aligndp.parallelize, or copy values in with p.copy_()"
+            )
+        current.copy_(value)
+        self.data  # noqa: B018 -- marks the write for the owner
+
+
+_TENSOR_DATA = torch.Tensor.data
+_BINDING = False
+"""True while a DataParallel binds params into its buffers (``p.data = view`` goes through)."""
+
+
+@contextlib.contextmanager
+def _binding() -> Iterator[None]:
+    global _BINDING
+    _BINDING = True
+    try:
+        yield
+    finally:
+        _BINDING = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """Settings of the data-parallel wrapper."""
+
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    """Target elements per bucket (one collective each); None puts each buffer in one bucket."""
+    overlap: bool = True
+    """Launch each bucket's collective during backward as soon as it is ready; False waits
+    for the end of backward and launches everything there."""
+    grad_dtype: torch.dtype | None = None
+    """dtype of the gradient buffers; None keeps each param's dtype (fp32 for bf16 params
+    gives fp32 gradient accumulation and reduction)."""
+    start_alignment: int = DEFAULT_START_ALIGNMENT
+    """Param start alignment in elements; requirements of active consumers can only raise it."""
+    check_finite: bool = False
+    """Check every bucket's local grads for NaN/Inf before its collective (on the device, no
+    sync); the ranks agree at the end of backward and all act per ``on_nonfinite``."""
+    on_nonfinite: str = "raise"
+    """With ``check_finite``: ``"raise"`` a FloatingPointError naming the params on every
+    rank, or ``"skip"`` the optimizer step on every rank (params and state untouched)."""
+    broadcast_at_wrap: bool = True
+    """Copy rank 0's params and buffers to every rank when wrapping."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's module buffers (BatchNorm statistics, ...) to every rank at the start of
+    every forward through the wrapper, as torch DDP's ``broadcast_buffers=True``."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_numel is not None and (
+            not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0
+        ):
+            raise ValueError(
+                f"bucket_numel must be a positive number of elements or None (one bucket), got {self.bucket_numel!r}"
+            )
+        if self.grad_dtype is not None and not (
+            isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"grad_dtype must be a floating torch.dtype or None, got {self.grad_dtype!r}"
+            )
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}"
+            )
+
+
+class DataParallel(GradSync, nn.Module):
+    """Wrap an unmodified module; keep its grads in aligned flat buffers reduced by bucket.
+
+    ``modes`` maps param names to a :class:`~aligndp.plan.layout.Mode` (default: every param
+    replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
+    Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        config: DDPConfig = DDPConfig(),
+        modes: Mapping[str, Mode] | None = None,
+        requirements: Iterable[Requirement] = (),
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is not initialised: call dist.init_process_group() first"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.config = config
+        self.dp_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                "the module has no trainable params (requires_grad=True): nothing to data-parallelise"
+            )
+        devices = {p.device for _, p in named}
+        if len(devices) > 1:
+            where = {str(d): [n for n, p in named if p.device == d][:3] for d in devices}
+            raise ValueError(
+                f"the module's params live on {len(devices)} devices ({where}): data parallelism needs one "
+                "device per rank; call module.to(device) before wrapping"
+            )
+        self.device = devices.pop()
+        if self.device.type == "meta":
+            raise ValueError(
+                "the module's params are on the meta device: materialise it first "
+                "(module.to_empty(device=...), then initialise it), then wrap it"
+            )
+        modes = dict(modes or {})
+        unknown = set(modes) - {n for n, _ in named}
+        if unknown:
+            raise ValueError(
+                f"modes name params that are not trainable params of the module: {sorted(unknown)}"
+            )
+        fused = fused_wgrad_modules(module)
+        self.requirements = tuple(requirements) + tuple(
+            r for _, m in fused for r in m.wgrad_requirements()
+        )
+
+        layouts = plan_buffers(
+            [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in named],
+            modes=modes,
+            dp_size=self.dp_size,
+            bucket_numel=config.bucket_numel,
+            requirements=self.requirements,
+            start_alignment=config.start_alignment,
+            grad_dtype=config.grad_dtype,
+        )
+        if (
+            self.dp_size > 1
+        ):  # [Note: ranks agree] in aligndp/runtime/agreement.py, before any shape-dependent collective
+            check_ranks_agree(module.named_parameters(), layouts, group=process_group)
+            prepare_side_group(process_group)
+        if config.broadcast_at_wrap and self.dp_size > 1:
+            self._broadcast_from_rank0()
+        by_name = dict(named)
+        with _binding():
+            self.flat_buffers: list[FlatBuffer] = [
+                FlatBuffer(
+                    layout,
+                    [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
+                    with_param_data=layout.mode is not Mode.REPLICATED,
+                )
+                for layout in layouts
+            ]
+        self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
+        self.params: list[nn.Parameter] = [p for _, p in named]
+        """Trainable params in registration order (the order of the agreement flags)."""
+        self._slot: dict[nn.Parameter, _Slot] = {}
+        position = {p: k for k, p in enumerate(self.params)}
+        for i, buf in enumerate(self.flat_buffers):
+            for p, s, g in zip(buf.params, buf.slots, buf.main_grads):
+                owned = None
+                if buf.layout.mode is not Mode.REPLICATED:
+                    lo, hi = buf.layout.shard_range(s.bucket, self.rank)
+                    owned = (min(max(lo - s.start, 0), s.numel), min(max(hi - s.start, 0), s.numel))
+                self._slot[p] = _Slot(
+                    position[p],
+                    BucketRef(i, s.bucket),
+                    g,
+                    owned,
+                    ShardedGrad(p) if owned is not None else None,
+                )
+        self.bucket_refs: list[BucketRef] = [
+            BucketRef(i, b)
+            for i, buf in enumerate(self.flat_buffers)
+            for b in range(len(buf.layout.buckets))
+        ]
+
+        self._init_grad_sync()
+        self.data_touched: set[nn.Parameter] = set()
+        """Params whose ``.data`` was used since the optimizer's last step (see _WrappedParameter)."""
+        self._param_gather = None
+        self._joined: _Join | None = None
+        self._replaced = False
+        self._eager_zero: set[nn.Parameter] = set()
+        self._claim_params(fused)
+
+    # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
+    def _claim_params(self, fused) -> None:
+        me = weakref.ref(self)
+        for p in self.params:
+            old = _owner_of(p)
+            if old is not None and old is not self:
+                old.remove_hooks()
+                old._replaced = True
+            _OWNER[id(p)] = (weakref.ref(p), me)
+            if type(p) is nn.Parameter:  # main_grad becomes a property that zeroes a stale view
+                p.__class__ = _WrappedParameter
+                p.__dict__.pop("main_grad", None)
+            elif not isinstance(p, _WrappedParameter):
+                self._eager_zero.add(
+                    p
+                )  # another Parameter subclass keeps the attribute: zero it eagerly
+
+        def hook(param: nn.Parameter, _me=me) -> None:
+            owner = _me()
+            if owner is not None and not owner._replaced:
+                owner._on_grad(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        for _, m in fused:
+            m.bind_grad_sink(self)
+
+    # ---- params and buffers ----
+    def _broadcast_from_rank0(self) -> None:
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=self._src, group=self.process_group)
+
+    @property
+    def _src(self) -> int:
+        return dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's module buffers to every rank, one broadcast per dtype (none without buffers)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in self.module.buffers():
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.broadcast(flat, src=self._src, group=self.process_group)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    @property
+    def layouts(self) -> list[BufferLayout]:
+        return [buf.layout for buf in self.flat_buffers]
+
+    def buffers_for(self, mode: Mode) -> list[FlatBuffer]:
+        return [b for b in self.flat_buffers if b.layout.mode is mode]
+
+    def attach_param_gather(self, gather) -> None:
+        """The optimizer's :class:`~aligndp.runtime.param_gather.ParamGather`: forward checks that
+        every gathered param it used was waited for, and ``state_dict()`` waits for all."""
+        self._param_gather = gather
+        self._hooks.append(
+            self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
+        )
+
+    def forward(self, *args, **kwargs):
+        if self._replaced:
+            raise RuntimeError(
+                "this DataParallel was replaced by a newer wrap of the same module; use the new one"
+            )
+        if self._joined is not None:
+            self._joined.forward()
+        if self.config.broadcast_buffers and self.dp_size > 1:
+            self._broadcast_buffers()
+        if torch.is_grad_enabled():
+            self._reopen()  # before autograd accumulates into a ShardedGrad
+        out = self.module(*args, **kwargs)
+        gather = self._param_gather
+        if gather is not None and gather.in_flight:
+            self._unwaited |= gather.pending_params()
+            gather.wait_all()
+        return out
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Uneven inputs: train inside ``with model.join():``. When one rank runs out of batches
+        while others still train, every rank raises the same ``ValueError`` at its next forward
+        (one tiny all-reduce per forward while inside) instead of hanging."""
+        self._joined = joined = _Join(self)
+        try:
+            yield
+        finally:
+            self._joined = None
+        joined.leave()  # only after a normal exit: after an error the peers are not in step any more
+
+    def remove_hooks(self) -> None:
+        """Detach from the module (hooks and fused-wgrad sinks); buffers stay bound."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for _, m in fused_wgrad_modules(self.module):
+            m.bind_grad_sink(None)
+
+
+class _Join:
+    """The bookkeeping of :meth:`DataParallel.join`: one flag all-reduce per forward."""
+
+    def __init__(self, model: DataParallel) -> None:
+        self.model = model
+
+    def _still_training(self, flag: int) -> int:
+        t = torch.tensor([flag], dtype=torch.int32, device=self.model.device)
+        dist.all_reduce(t, group=self.model.process_group)
+        return int(t.item())
+
+    def _message(self, training: int) -> str:
+        ws = self.model.dp_size
+        return (
+            f"uneven inputs: {ws - training} of {ws} rank(s) ran out of batches while {training} still "
+            "train; give every rank the same number of batches (e.g. DistributedSampler(drop_last=True), "
+            "or drop the last incomplete batch)"
+        )
+
+    def forward(self) -> None:
+        training = self._still_training(1)
+        if training < self.model.dp_size:
+            raise ValueError(self._message(training))
+
+    def leave(self) -> None:
+        training = self._still_training(0)
+        if training:
+            raise ValueError(self._message(training))

@@ -1,0 +1,152 @@
+"""All-gather of sharded params after an optimizer step, now or overlapped with the next forward.
+
+After a sharded (ZeRO-1) or layerwise step every rank holds updated values only in its own
+slice of each bucket of ``param_data``; one all-gather per bucket refills the rest.
+
+Timeline with ``overlap=True`` (NCCL runs collectives on its own stream, gloo on threads):
+
+    step():     optimizer on owned slices ── launch all-gather bucket 0, 1, ... (async)
+    comm:                                    └── gather 0 ──┘└── gather 1 ──┘ ...
+    forward:    pre-hook of module m waits only for the buckets holding m's own params,
+                so the first layers start while later buckets are still in flight.
+
+Anything that reads params outside forward (a checkpoint, an evaluation that bypasses the
+module, the next ``step()``) calls :meth:`ParamGather.wait_all` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligndp.runtime.buffer import FlatBuffer
+from aligndp.runtime.collectives import all_gather_shards
+
+__all__ = ["ParamGather"]
+
+BucketKey = tuple[int, int]
+"""(index into the gatherer's buffers, bucket index)."""
+
+
+class ParamGather:
+    """Launches and tracks per-bucket param all-gathers of the buffers it is given."""
+
+    def __init__(
+        self,
+        buffers: Sequence[FlatBuffer],
+        *,
+        group: dist.ProcessGroup | None,
+        module: nn.Module | None = None,
+        overlap: bool = False,
+    ) -> None:
+        """``module`` (the wrapped model) is needed only when ``overlap`` installs pre-hooks."""
+        for buf in buffers:
+            if buf.param_data is None:
+                raise ValueError(
+                    f"a {buf.layout.mode.value} buffer without param_data cannot be all-gathered; "
+                    "only sharded and layerwise buffers hold params"
+                )
+        if overlap and module is None:
+            raise ValueError("overlap=True waits in forward pre-hooks: pass the wrapped module")
+        self.buffers = list(buffers)
+        self.group = group
+        self.dp_size = dist.get_world_size(group)
+        self.overlap = overlap
+        self._pending: dict[BucketKey, dist.Work] = {}
+        self._hooks = []
+        self.order = self._forward_order(module)
+        """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
+        if overlap and self.dp_size > 1:
+            self._install_hooks(module)
+
+    def _forward_order(self, module: nn.Module | None) -> list[BucketKey]:
+        """Buckets sorted by the earliest-registered param they hold.
+
+        Layouts put params in reverse registration order (≈ backward order), so the first
+        layers sit in the *last* bucket; gathering bucket 0 first would make the first module
+        of the next forward wait for every gather (NCCL runs collectives in launch order).
+        Without a module, each buffer's buckets are simply reversed.
+        """
+        keys = [
+            (i, b)
+            for i, buf in enumerate(self.buffers)
+            for b in reversed(range(len(buf.layout.buckets)))
+        ]
+        if module is None:
+            return keys
+        position = {id(p): n for n, p in enumerate(module.parameters())}
+        first = {}
+        for i, buf in enumerate(self.buffers):
+            for p, s in zip(buf.params, buf.slots):
+                first[(i, s.bucket)] = min(
+                    first.get((i, s.bucket), len(position)), position.get(id(p), len(position))
+                )
+        return sorted(keys, key=lambda k: (first.get(k, len(position)), keys.index(k)))
+
+    def _bucket_of(self) -> dict[int, BucketKey]:
+        """id(param) -> the bucket holding it."""
+        return {
+            id(p): (i, s.bucket)
+            for i, buf in enumerate(self.buffers)
+            for p, s in zip(buf.params, buf.slots)
+        }
+
+    def _install_hooks(self, module: nn.Module) -> None:
+        where = self._bucket_of()
+        for m in module.modules():
+            keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
+            if keys:
+                self._hooks.append(
+                    m.register_forward_pre_hook(lambda _m, _args, _keys=keys: self.wait(_keys))
+                )
+
+    def launch(self) -> None:
+        """Start the all-gather of every bucket in :attr:`order` (forward order).
+
+        Waits for everything at once unless overlapping with the next forward.
+        """
+        self.wait_all()
+        for key in self.order:
+            self.launch_bucket(key)
+        if not self.overlap:
+            self.wait_all()
+
+    def launch_bucket(self, key: BucketKey) -> None:
+        """Start one bucket's all-gather now (every rank must start the same buckets in the same order)."""
+        i, b = key
+        if self.dp_size > 1:
+            self._pending[key] = all_gather_shards(
+                self.buffers[i].bucket_param(b), group=self.group
+            )
+
+    def wait(self, keys: Iterable[BucketKey]) -> None:
+        """Wait for the given buckets' gathers (no-op for those already done)."""
+        for key in keys:
+            work = self._pending.pop(key, None)
+            if work is not None:
+                work.wait()
+
+    def wait_all(self) -> None:
+        """Wait for every gather still in flight: call before reading params outside forward."""
+        self.wait(list(self._pending))
+
+    def pending_params(self) -> set:
+        """The params of every bucket whose gather is still in flight."""
+        pending = set(self._pending)
+        return {
+            p
+            for i, buf in enumerate(self.buffers)
+            for p, s in zip(buf.params, buf.slots)
+            if (i, s.bucket) in pending
+        }
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,108 @@
+"""The vocabulary of optimizer state in model space: what checkpoints and optimizers share.
+
+[Note: model-space state]
+A checkpoint never mentions buffers, buckets or ranks: every entry is keyed by param name in
+model space, and per-element tensors are stored flattened to 1-D with the param's full numel:
+
+    model.<name>                fp32 param values (the fp32 masters where they exist)
+    optim.state.<name>.<key>    per-element state (exp_avg, momentum_buffer, ...): (numel,);
+                                other state (step): its own shape, e.g. a 0-dim tensor
+    optim.param_groups          hyper-parameters of each group (no params, no impl flags)
+    buffers.<name>              the module's persistent non-param buffers
+    aligndp.json                step, param shapes, dp_size of the writer (a sidecar file)
+
+An optimizer takes part through three methods (ShardedOptimizer and CompositeOptimizer have
+them; a bare torch optimizer, or none, gets them from an adapter in checkpoint.py):
+``owned_range(name) -> (lo, hi)`` of the flattened param this rank holds values and state
+for; ``model_space_state_dict()`` -> ``{"param.<name>": FlatPiece, "state.<name>.<key>":
+FlatPiece | Tensor, "param_groups": [...]}``; ``load_model_space_state_dict(sd)`` (same
+keys, pieces cut to this rank's current ``owned_range``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["FlatPiece", "torch_state_to_model_space", "model_space_to_torch_state"]
+
+_IMPL_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+"""param_group keys that describe the implementation, not the maths: never restored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPiece:
+    """This rank's part ``[offset, offset + tensor.numel())`` of a model-space tensor of ``numel`` elements, flattened."""
+
+    tensor: torch.Tensor
+    offset: int
+    numel: int
+
+    def __post_init__(self) -> None:
+        assert (
+            self.tensor.dim() == 1
+            and 0 <= self.offset <= self.offset + self.tensor.numel() <= self.numel
+        )
+
+
+def torch_state_to_model_space(
+    inner: torch.optim.Optimizer, names: list[str | None], extents: dict[str, tuple[int, int]]
+) -> dict[str, object]:
+    """Model-space entries of a torch optimizer whose i-th param is the owned part of ``names[i]``.
+
+    ``extents[name] = (offset, full numel)``. Tensors with the param's numel become pieces.
+    """
+    params = [p for g in inner.param_groups for p in g["params"]][: len(names)]
+    sd: dict[str, object] = {}
+    for name, p in zip(names, params):
+        if name is None:  # a placeholder param (a group this rank owns nothing of)
+            continue
+        offset, numel = extents[name]
+        for key, value in inner.state.get(p, {}).items():
+            if not isinstance(value, torch.Tensor):
+                continue  # e.g. SGD's momentum_buffer=None before it exists
+            if value.dim() >= 1 and value.numel() == p.numel():
+                sd[f"state.{name}.{key}"] = FlatPiece(
+                    value.detach().reshape(-1), offset=offset, numel=numel
+                )
+            else:
+                sd[f"state.{name}.{key}"] = value.detach()
+    sd["param_groups"] = [
+        {k: v for k, v in g.items() if k not in _IMPL_FLAGS} for g in inner.param_groups
+    ]
+    return sd
+
+
+def model_space_to_torch_state(
+    inner: torch.optim.Optimizer, names: list[str | None], sd: dict[str, object]
+) -> None:
+    """Load ``sd`` (pieces already cut to this rank) into ``inner`` through its own ``load_state_dict``."""
+    params = [p for g in inner.param_groups for p in g["params"]]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, (name, p) in enumerate(zip(names, params)):
+        if name is None:
+            continue
+        prefix = f"state.{name}."
+        entry = {}
+        for key, value in sd.items():
+            if key.startswith(prefix) and "." not in key[len(prefix) :]:
+                entry[key[len(prefix) :]] = (
+                    value.tensor.view(p.shape) if isinstance(value, FlatPiece) else value
+                )
+        if entry:
+            state[i] = entry
+    current = inner.state_dict()["param_groups"]
+    saved = sd.get("param_groups", [])
+    if len(saved) != len(current):
+        raise ValueError(
+            f"the checkpoint has {len(saved)} optimizer param group(s) but this optimizer has "
+            f"{len(current)}: build the optimizer with the same groups as the run that saved it"
+        )
+    groups = [
+        {**cur, **{k: v for k, v in old.items() if k not in _IMPL_FLAGS}}
+        for cur, old in zip(current, saved)
+    ]
+    # torch replaces the group dicts; aligndp's optimizers read ``inner.param_groups`` live
+    # (aligndp/optim/base.py), so lr schedulers keep reaching the loaded groups
+    inner.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,172 @@
+"""The shape of the code: layers point one way, no import cycles, DESIGN.md's module map is the
+tree, no file is long, and ruff is clean. Each check reads the sources; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "aligndp"
+
+# Which layers each layer may import (its own always). DESIGN.md "Modules" explains the order.
+ALLOWED: dict[str, set[str]] = {
+    "models": set(),
+    "plan": set(),
+    "lowp": {"plan"},
+    "runtime": {"plan"},
+    "state": {"plan", "runtime"},
+    "optim": {"plan", "runtime", "state"},
+    "api": {"plan", "lowp", "runtime", "state", "optim"},
+    "app": {"plan", "lowp", "runtime", "state", "optim", "api", "models"},
+}
+MAX_LINES = 400
+LONG_FILE_ROOTS = ("src", "benchmarks", "tools")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return parts[1]
+    return "api"  # aligndp/__init__.py, parallelize.py, user_input.py, __main__.py
+
+
+def sources() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
+    """aligndp modules ``path`` imports anywhere in its body (lazy imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    src = sources()
+    return {m: imports_of(p, set(src)) - {m} for m, p in src.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        here = layer_of(mod)
+        for dep in sorted(deps):
+            there = layer_of(dep)
+            if there != here and there not in ALLOWED[here]:
+                bad.append(f"{mod} ({here}) imports {dep} ({there})")
+    return bad
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_layers_point_one_way():
+    bad = upward_imports(import_graph())
+    assert not bad, "imports that point up a layer (see DESIGN.md, Modules):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_checks_catch_what_they_should():
+    """The two checks above on hand-made graphs: they must be able to fail."""
+    assert upward_imports({"aligndp.plan.layout": {"aligndp.runtime.ddp"}})
+    assert not upward_imports({"aligndp.runtime.ddp": {"aligndp.plan.layout"}})
+    assert upward_imports({"aligndp.models.gpt": {"aligndp.plan.layout"}})
+    cyc = {"aligndp.app.a": {"aligndp.app.b"}, "aligndp.app.b": {"aligndp.app.a"}}
+    assert find_cycle(cyc) == ["aligndp.app.a", "aligndp.app.b", "aligndp.app.a"]
+    assert find_cycle({"aligndp.app.a": {"aligndp.app.b"}, "aligndp.app.b": set()}) is None
+
+
+def design_module_map() -> set[str]:
+    """Paths listed in DESIGN.md's module map (the ``src/aligndp/`` code block)."""
+    text = (ROOT / "DESIGN.md").read_text()
+    block = re.search(r"```\nsrc/aligndp/\n(.*?)```", text, re.S)
+    assert block, "DESIGN.md has no ```src/aligndp/ module map block"
+    listed, folder = set(), ""
+    for line in block.group(1).splitlines():
+        m = re.match(r"^  (\s*)(\S+)", line)
+        if not m:
+            continue
+        name = m.group(2)
+        if not m.group(1) and name.endswith("/"):
+            folder = name
+        elif name.endswith(".py"):
+            listed.add((folder if m.group(1) else "") + name)
+    return listed
+
+
+def test_design_module_map_is_the_tree():
+    on_disk = {
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+    }
+    listed = design_module_map()
+    assert not on_disk - listed, f"modules missing from DESIGN.md's map: {sorted(on_disk - listed)}"
+    assert not listed - on_disk, (
+        f"DESIGN.md lists modules that do not exist: {sorted(listed - on_disk)}"
+    )
+
+
+def test_no_long_files():
+    long = []
+    for root in LONG_FILE_ROOTS:
+        for p in sorted((ROOT / root).rglob("*.py")):
+            n = len(p.read_text().splitlines())
+            if n > MAX_LINES:
+                long.append(f"{p.relative_to(ROOT)}: {n} lines")
+    assert not long, f"files over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
+
+
+def _ruff() -> list[str]:
+    if shutil.which("ruff"):
+        return ["ruff"]
+    pytest.importorskip("ruff", reason="ruff is in the test extras: pip install -e '.[test]'")
+    return [sys.executable, "-m", "ruff"]
+
+
+@pytest.mark.parametrize("args", [("check",), ("format", "--check")], ids=["lint", "format"])
+def test_ruff(args):
+    """pyproject.toml's [tool.ruff] (100 columns) over everything we write."""
+    paths = ["src", "tests", "benchmarks", "tools", "examples"]
+    out = subprocess.run([*_ruff(), *args, *paths], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout[-4000:]}{out.stderr[-2000:]}"
