@@ -41,7 +41,8 @@ def main() -> None:
         tail = [losses[s] for s in common[-args.tail :]]
         evals = ", ".join(f"{r['step'] + 1}: {r['eval_loss']:.4f}" for r in run if "eval_loss" in r)
         lines.append(
-            f"{label}: {len(common)} steps, train loss mean of last {len(tail)} {statistics.mean(tail):.4f}; "
+            f"{label}: {len(common)} steps, train loss mean of last {len(tail)} "
+            f"{statistics.mean(tail):.4f}; "
             f"|rel diff| to {labels[0]}: mean {statistics.mean(diffs):.2%}, max {max(diffs):.2%}; "
             f"eval {evals}"
         )

@@ -1,9 +1,10 @@
-"""DDP step time against torch DDP, each as step / local fwd+bwd, measured in one run.
+r"""DDP step time against torch DDP, each as step / local fwd+bwd, measured in one run.
 
 GPU (the figure we report):
     torchrun --nproc-per-node 2 benchmarks/ddp_step.py --preset 1b --batch 8
 CPU smoke run (gloo):
-    torchrun --nproc-per-node 2 benchmarks/ddp_step.py --preset demo --device cpu --batch 4 --iters 2
+    torchrun --nproc-per-node 2 benchmarks/ddp_step.py \
+        --preset demo --device cpu --batch 4 --iters 2
 
 Prints one JSON object per measurement on rank 0. "step" is forward + backward + every
 gradient collective finished (torch DDP finishes inside backward; aligndp in
@@ -116,7 +117,8 @@ def main() -> None:
     ap.add_argument(
         "--high-priority",
         action="store_true",
-        help="also try NCCL communicators on a high-priority stream (with each --max-ctas and uncapped)",
+        help="also try NCCL communicators on a high-priority stream "
+        "(with each --max-ctas and uncapped)",
     )
     ap.add_argument(
         "--no-comm",

@@ -24,6 +24,7 @@ import torch
 from triton.testing import do_bench
 
 from aligndp.lowp import gluon_kernels
+from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_kernels import quantize_rows_and_columns, scaled_gemm
 
 _FIELDS = ("clocks.sm", "power.draw", "power.limit", "clocks_event_reasons.sw_power_cap")
@@ -55,7 +56,8 @@ def _smi(target: str, fields=_FIELDS) -> list[str]:
 
 
 def sustained(fn, flops: float, seconds: float, target: str) -> dict:
-    """Run ``fn`` back to back for ``seconds``; sample clocks and power from its second quarter on."""
+    """Run ``fn`` back to back for ``seconds``; sample clocks and power from its second quarter
+    on."""
     samples, stop = [], threading.Event()
 
     def poll():
@@ -109,8 +111,8 @@ def main() -> None:
     torch.manual_seed(0)
     dy = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    _, a = quantize_rows_and_columns(dy, block=128, mx=False, rowwise=False)
-    _, b = quantize_rows_and_columns(x, block=128, mx=False, rowwise=False)
+    _, a = quantize_rows_and_columns(dy, block=128, scale_format=ScaleFormat.FP32, rowwise=False)
+    _, b = quantize_rows_and_columns(x, block=128, scale_format=ScaleFormat.FP32, rowwise=False)
     del dy, x
     main_grad = torch.zeros(n, n, device=dev)
 
@@ -139,7 +141,7 @@ def main() -> None:
     one = torch.ones((), device=dev)
     contenders = {
         "ours: FP8 1x128 wgrad GEMM, in place (Gluon)": lambda: scaled_gemm(
-            a, b, main_grad, block=128, mx=False, accumulate=True
+            a, b, main_grad, block=128, scale_format=ScaleFormat.FP32, accumulate=True
         ),
         "aid: the same kernel with the promotion left out (adds unscaled partials)": lambda: (
             gluon_kernels.fp8_block_gemm(
@@ -160,22 +162,25 @@ def main() -> None:
         for k, fn in contenders.items():
             rates[k].append(flops / do_bench(fn, warmup=100, rep=300) / 1e9)
     rows = [
-        f"# fp8_power {datetime.date.today()} on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}",
+        f"# fp8_power {datetime.date.today()} on {torch.cuda.get_device_name(dev)}, "
+        f"torch {torch.__version__}",
         "",
-        f"M = N = K = {n}, fp32 main_grad accumulated in place; check on a {s}^2 corner: rel err {err:.1e} vs "
-        f"float64 (ours), {err_aid:.1e} (aid vs the unscaled product). do_bench median per round, {args.rounds} "
-        f"interleaved rounds; then {args.seconds:.0f} s of each alone with nvidia-smi polled (medians).",
+        f"M = N = K = {n}, fp32 main_grad accumulated in place; check on a {s}^2 corner: rel err "
+        f"{err:.1e} vs float64 (ours), {err_aid:.1e} (aid vs the unscaled product). do_bench "
+        f"median per round, {args.rounds} interleaved rounds; then {args.seconds:.0f} s of each "
+        "alone with nvidia-smi polled (medians).",
         "",
-        "| what | TFLOP/s, median (min-max) | sustained TFLOP/s | SM MHz | board W (limit) | power-capped samples "
-        "| TFLOP/s per W |",
+        "| what | TFLOP/s, median (min-max) | sustained TFLOP/s | SM MHz | board W (limit) "
+        "| power-capped samples | TFLOP/s per W |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k, fn in contenders.items():
         r = sustained(fn, flops, args.seconds, target)
         med = statistics.median(rates[k])
         rows.append(
-            f"| {k} | {med:.0f} ({min(rates[k]):.0f}-{max(rates[k]):.0f}) | {r['tflops']:.0f} | {r['mhz']:.0f} "
-            f"| {r['watts']:.0f} ({r['limit']}) | {r['capped']} | {r['tflops'] / r['watts']:.2f} |"
+            f"| {k} | {med:.0f} ({min(rates[k]):.0f}-{max(rates[k]):.0f}) | {r['tflops']:.0f} "
+            f"| {r['mhz']:.0f} | {r['watts']:.0f} ({r['limit']}) | {r['capped']} "
+            f"| {r['tflops'] / r['watts']:.2f} |"
         )
         print(rows[-1], flush=True)
     if args.out:

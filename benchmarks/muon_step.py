@@ -43,7 +43,8 @@ class Matrices(nn.Module):
 def hidden_matrices(
     preset: str, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The matrices :func:`aligndp.plan.routing.route_params` gives Muon in ``GPT(PRESETS[preset])``."""
+    """The matrices :func:`aligndp.plan.routing.route_params` gives Muon in
+    ``GPT(PRESETS[preset])``."""
     gpt = build_gpt(preset, device, dtype)
     named = dict(gpt.named_parameters())
     return {n: named[n] for n in route_params(gpt).muon}

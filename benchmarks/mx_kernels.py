@@ -17,6 +17,7 @@ import datetime
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
+from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_kernels import dequantize_operand, quantize_rows_and_columns, scaled_gemm
 
 
@@ -24,10 +25,10 @@ def tflops(m, n, k, ms):
     return 2 * m * n * k / ms / 1e9
 
 
-def dequant_torch(op, block, mx):
+def dequant_torch(op, block, scale_format):
     """(rows, K) operand back to float32 with torch ops (the dequant peer's first step)."""
     scale = op.scale_t
-    if mx:
+    if scale_format is ScaleFormat.E8M0:
         scale = torch.where(
             scale == 0,
             torch.tensor(2.0**-127, device=scale.device),
@@ -50,21 +51,23 @@ def copy_ms(numel: int, dev, *, graph: bool) -> float:
     return do_bench(lambda: dst.copy_(big))
 
 
-def quantise_bytes(n: int, *, block: int, mx: bool, rowwise: bool, colwise: bool) -> int:
+def quantise_bytes(
+    n: int, *, block: int, scale_format: ScaleFormat, rowwise: bool, colwise: bool
+) -> int:
     """Bytes one quantise of an (n, n) bf16 tensor moves: read it, write each requested fp8
     copy and its scales (one E8M0 byte per 32, or one fp32 per 128)."""
-    scale_bytes = n * n // block * (1 if mx else 4)
+    scale_bytes = n * n // block * (1 if scale_format is ScaleFormat.E8M0 else 4)
     return 2 * n * n + (rowwise + colwise) * (n * n + scale_bytes)
 
 
 def quantise_ms(
-    x, *, block: int, mx: bool, rowwise: bool, colwise: bool, impl: str = "auto"
+    x, *, block: int, scale_format: ScaleFormat, rowwise: bool, colwise: bool, impl: str = "auto"
 ) -> float:
     """Median ms of one quantise of ``x`` under ``do_bench_cudagraph`` (Python and launch
     time, which can exceed these kernels' GPU time, are not measured)."""
     return do_bench_cudagraph(
         lambda: quantize_rows_and_columns(
-            x, block=block, mx=mx, rowwise=rowwise, colwise=colwise, impl=impl
+            x, block=block, scale_format=scale_format, rowwise=rowwise, colwise=colwise, impl=impl
         ),
         return_mode="median",
     )
@@ -78,32 +81,39 @@ def bf16_wgrad_peer_ms(x, dy, main_grad) -> tuple[float, float]:
     return alone, do_bench(lambda: main_grad.add_(dyt @ xt.T))
 
 
-def wgrad_operands(dy, x, *, block: int, mx: bool):
+def wgrad_operands(dy, x, *, block: int, scale_format: ScaleFormat):
     """The column-quantised operands of the wgrad GEMM ``dy^T x``."""
-    _, a = quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False)
-    _, b = quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False)
+    _, a = quantize_rows_and_columns(dy, block=block, scale_format=scale_format, rowwise=False)
+    _, b = quantize_rows_and_columns(x, block=block, scale_format=scale_format, rowwise=False)
     return a, b
 
 
-def wgrad_rel_err(a, b, *, block: int, mx: bool, sub: int = 1024) -> float:
+def wgrad_rel_err(a, b, *, block: int, scale_format: ScaleFormat, sub: int = 1024) -> float:
     """Relative error of our in-place wgrad GEMM against float64 on a (sub, sub) corner of the
     benchmark's own operands: checked before any timing, so a fast wrong kernel prints no rate."""
     sub = min(sub, a.data.shape[0], b.data.shape[0])
     a_sub = type(a)(a.data[:sub].contiguous(), a.scale_t[:, :sub].contiguous())
     b_sub = type(b)(b.data[:sub].contiguous(), b.scale_t[:, :sub].contiguous())
     start = torch.randn(sub, sub, device=a.data.device)
-    got = scaled_gemm(a_sub, b_sub, start.clone(), block=block, mx=mx, accumulate=True)
+    got = scaled_gemm(
+        a_sub, b_sub, start.clone(), block=block, scale_format=scale_format, accumulate=True
+    )
     return rel_err(
         got,
         start.double()
-        + dequant_torch(a_sub, block, mx).double() @ dequant_torch(b_sub, block, mx).double().T,
+        + dequant_torch(a_sub, block, scale_format).double()
+        @ dequant_torch(b_sub, block, scale_format).double().T,
     )
 
 
-def wgrad_ms(a, b, main_grad, *, block: int, mx: bool, impl: str = "auto") -> float:
+def wgrad_ms(
+    a, b, main_grad, *, block: int, scale_format: ScaleFormat, impl: str = "auto"
+) -> float:
     """Median ms of our wgrad GEMM accumulating in place into ``main_grad``."""
     return do_bench(
-        lambda: scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True, impl=impl)
+        lambda: scaled_gemm(
+            a, b, main_grad, block=block, scale_format=scale_format, accumulate=True, impl=impl
+        )
     )
 
 
@@ -115,12 +125,13 @@ def main() -> None:
     n = args.size
     dev = "cuda"
     rows = [
-        f"# mx_kernels {datetime.date.today()} on {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"# mx_kernels {datetime.date.today()} on {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}",
         "",
         f"M = N = K = {n} (wgrad: out = in = tokens = {n}); GEMMs: do_bench median ms (L2 flushed "
-        "between calls); memory-bound kernels and their copy peer: do_bench_cudagraph median (a graph of "
-        "back-to-back calls, so Python and launch time per call, which can exceed these kernels' GPU time, "
-        "is not measured; one row shows the same call under plain do_bench)",
+        "between calls); memory-bound kernels and their copy peer: do_bench_cudagraph median (a "
+        "graph of back-to-back calls, so Python and launch time per call, which can exceed these "
+        "kernels' GPU time, is not measured; one row shows the same call under plain do_bench)",
         "",
         "| what | ms | rate | vs peer |",
         "| --- | --- | --- | --- |",
@@ -138,7 +149,8 @@ def main() -> None:
     ms = copy_ms(copy_numel, dev, graph=False)
     copy_tbs = 2 * copy_numel * 2 / ms / 1e9
     row(
-        f"peer: device copy ({copy_numel * 2 >> 20} MiB into a preallocated tensor), read + write, do_bench",
+        f"peer: device copy ({copy_numel * 2 >> 20} MiB into a preallocated tensor), read + write, "
+        "do_bench",
         ms,
         f"{copy_tbs:.2f} TB/s",
     )
@@ -147,15 +159,24 @@ def main() -> None:
     copy_tbs = max(copy_tbs, 2 * copy_numel * 2 / ms / 1e9)
     rows.append(f"| (ratios 'of copy' below are to the faster copy: {copy_tbs:.2f} TB/s) | | | |")
 
-    for name, block, mx in (("MXFP8 1x32 e8m0", 32, True), ("FP8 1x128 fp32", 128, False)):
+    for name, block, scale_format in (
+        ("MXFP8 1x32 e8m0", 32, ScaleFormat.E8M0),
+        ("FP8 1x128 fp32", 128, ScaleFormat.FP32),
+    ):
         for impl, what, rw, cw in (
             ("auto", "row+col in one pass", True, True),
             ("auto", "row only", True, False),
             ("auto", "col only (the wgrad operand)", False, True),
             ("triton", "row+col, plain-Triton fallback kernel", True, True),
         ):
-            ms = quantise_ms(x, block=block, mx=mx, rowwise=rw, colwise=cw, impl=impl)
-            tbs = quantise_bytes(n, block=block, mx=mx, rowwise=rw, colwise=cw) / ms / 1e9
+            ms = quantise_ms(
+                x, block=block, scale_format=scale_format, rowwise=rw, colwise=cw, impl=impl
+            )
+            tbs = (
+                quantise_bytes(n, block=block, scale_format=scale_format, rowwise=rw, colwise=cw)
+                / ms
+                / 1e9
+            )
             row(
                 f"ours: quantise {name}, {what} (bf16 in)",
                 ms,
@@ -195,19 +216,22 @@ def main() -> None:
         f"{tflops(n, n, n, ms_sm):.0f} TFLOP/s",
     )
 
-    for name, block, mx in (("MXFP8", 32, True), ("FP8 1x128", 128, False)):
-        a, b = wgrad_operands(dy, x, block=block, mx=mx)
+    for name, block, scale_format in (
+        ("MXFP8", 32, ScaleFormat.E8M0),
+        ("FP8 1x128", 128, ScaleFormat.FP32),
+    ):
+        a, b = wgrad_operands(dy, x, block=block, scale_format=scale_format)
         err = wgrad_rel_err(
-            a, b, block=block, mx=mx
+            a, b, block=block, scale_format=scale_format
         )  # correctness on the benchmark's own data first
         peer = ms_sm
-        if mx:
+        if scale_format is ScaleFormat.E8M0:
             ms = do_bench(
-                lambda: main_grad.add_(
-                    dequant_torch(a, block, mx).bfloat16()
-                    @ dequant_torch(b, block, mx).bfloat16().T
+                lambda a=a, b=b, block=block, fmt=scale_format: main_grad.add_(
+                    dequant_torch(a, block, fmt).bfloat16()
+                    @ dequant_torch(b, block, fmt).bfloat16().T
                 )
-            )  # noqa: B023
+            )
             row(
                 "peer: MXFP8 dequant (torch ops) -> bf16 -> cuBLAS + add_",
                 ms,
@@ -215,14 +239,14 @@ def main() -> None:
             )
             peer = ms
             da, db = dequantize_operand(a), dequantize_operand(b)
-            ms = do_bench(lambda: main_grad.add_(da @ db.T))  # noqa: B023
+            ms = do_bench(lambda da=da, db=db: main_grad.add_(da @ db.T))
             row(
                 "peer: cuBLAS on pre-dequantised bf16 + add_",
                 ms,
                 f"{tflops(n, n, n, ms):.0f} TFLOP/s",
             )
             del da, db
-            ms = do_bench_cudagraph(lambda: dequantize_operand(b), return_mode="median")  # noqa: B023
+            ms = do_bench_cudagraph(lambda b=b: dequantize_operand(b), return_mode="median")
             row(
                 "ours: MXFP8 dequantise pass (one operand, fp8 + e8m0 -> bf16)",
                 ms,
@@ -233,13 +257,9 @@ def main() -> None:
             try:  # cuBLAS blockwise 1x128 x 1x128 (scales outer-dim-major), where available
                 sa, sb = a.scale_t.T, b.scale_t
                 ms = do_bench(
-                    lambda: main_grad.add_(
+                    lambda a=a, b=b, sa=sa, sb=sb: main_grad.add_(
                         torch._scaled_mm(
-                            a.data,
-                            b.data.T,
-                            scale_a=sa,
-                            scale_b=sb,  # noqa: B023
-                            out_dtype=torch.float32,
+                            a.data, b.data.T, scale_a=sa, scale_b=sb, out_dtype=torch.float32
                         )
                     )
                 )
@@ -250,19 +270,19 @@ def main() -> None:
                 )
                 peer = ms
             except RuntimeError as err_sm:
-                rows.append(
-                    f"| peer: _scaled_mm fp8 1x128 blockwise | failed | {str(err_sm).splitlines()[0][:90]} | |"
-                )
+                first_line = str(err_sm).splitlines()[0][:90]
+                rows.append(f"| peer: _scaled_mm fp8 1x128 blockwise | failed | {first_line} | |")
                 print(rows[-1])
-        ms = wgrad_ms(a, b, main_grad, block=block, mx=mx)
+        ms = wgrad_ms(a, b, main_grad, block=block, scale_format=scale_format)
         row(
-            f"ours: {name} wgrad GEMM accumulating in place into fp32 main_grad (rel err {err:.1e})",
+            f"ours: {name} wgrad GEMM accumulating in place into fp32 main_grad "
+            f"(rel err {err:.1e})",
             ms,
             f"{tflops(n, n, n, ms):.0f} TFLOP/s",
             f"{peer / ms:.2f}x the peer above; {ms_bf16_add / ms:.2f}x cuBLAS bf16+add_",
         )
-        if not mx:  # the plain-Triton 1x128 kernel, the fallback where Gluon does not run
-            ms = wgrad_ms(a, b, main_grad, block=block, mx=mx, impl="triton")
+        if scale_format is ScaleFormat.FP32:  # the plain-Triton 1x128 kernel, Gluon's fallback
+            ms = wgrad_ms(a, b, main_grad, block=block, scale_format=scale_format, impl="triton")
             row(
                 f"ours: {name} wgrad GEMM, plain-Triton fallback kernel, fp32 main_grad",
                 ms,
@@ -270,19 +290,19 @@ def main() -> None:
                 f"{peer / ms:.2f}x the peer above",
             )
         bf16_grad = main_grad.to(torch.bfloat16)
-        ms = wgrad_ms(a, b, bf16_grad, block=block, mx=mx)
+        ms = wgrad_ms(a, b, bf16_grad, block=block, scale_format=scale_format)
         row(
             f"ours: {name} wgrad GEMM accumulating in place into bf16 main_grad",
             ms,
             f"{tflops(n, n, n, ms):.0f} TFLOP/s",
         )
         ms = do_bench(
-            lambda: (
-                quantize_rows_and_columns(dy, block=block, mx=mx, rowwise=False),  # noqa: B023
-                quantize_rows_and_columns(x, block=block, mx=mx, rowwise=False),  # noqa: B023
-                scaled_gemm(a, b, main_grad, block=block, mx=mx, accumulate=True),
+            lambda a=a, b=b, block=block, fmt=scale_format: (
+                quantize_rows_and_columns(dy, block=block, scale_format=fmt, rowwise=False),
+                quantize_rows_and_columns(x, block=block, scale_format=fmt, rowwise=False),
+                scaled_gemm(a, b, main_grad, block=block, scale_format=fmt, accumulate=True),
             )
-        )  # noqa: B023
+        )
         row(
             f"ours: {name} quantise both + wgrad GEMM (end to end)",
             ms,

@@ -36,15 +36,14 @@ def build(
     process_group: dist.ProcessGroup | None = None,
 ):
     module = build_gpt(preset, device, torch.float32, seed=seed)
-    if wgrad != "none":
-        convert_to_mxfp8(
-            module, backend=wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type))
-        )
+    backend = wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type))
+    if backend is not None:  # the recipe converts layers (not "none")
+        convert_to_mxfp8(module, backend=backend)
     return aligndp.parallelize(
         module,
         optimizer="adamw",
         lr=3e-4,
-        wgrad=None if wgrad == "none" else wgrad,
+        wgrad=wgrad,
         process_group=process_group,
     )
 
@@ -133,10 +132,11 @@ def main() -> None:
     rows = [
         f"# mx_training {datetime.date.today()} on {name}, torch {torch.__version__}",
         "",
-        f"batch {args.batch_size} sequences, bf16 autocast, AdamW, 1 rank; median step time of {args.rounds} "
-        f"interleaved rounds of {args.steps} steps",
+        f"batch {args.batch_size} sequences, bf16 autocast, AdamW, 1 rank; median step time of "
+        f"{args.rounds} interleaved rounds of {args.steps} steps",
         "",
-        "| model | --wgrad | ms/step (min-max) | k tokens/s | step time / bf16 | loss after the run |",
+        "| model | --wgrad | ms/step (min-max) | k tokens/s | step time / bf16 "
+        "| loss after the run |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for preset in args.presets.split(","):
@@ -148,7 +148,8 @@ def main() -> None:
         for m, r in results.items():
             rows.append(
                 f"| {preset} | {m} | {r.median_ms:.1f} ({min(r.ms):.1f}-{max(r.ms):.1f}) | "
-                f"{args.batch_size * cfg.seq_len / r.median_ms:.0f} | {r.median_ms / base:.2f} | {r.loss:.3f} |"
+                f"{args.batch_size * cfg.seq_len / r.median_ms:.0f} | {r.median_ms / base:.2f} "
+                f"| {r.loss:.3f} |"
             )
             print(rows[-1], flush=True)
         del results

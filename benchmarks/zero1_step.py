@@ -1,9 +1,10 @@
-"""ZeRO-1 full step against torch DDP + fused AdamW on the same model, measured in one run.
+r"""ZeRO-1 full step against torch DDP + fused AdamW on the same model, measured in one run.
 
 GPU (the figure we report; goal: ratio <= 0.95, state padding <= 0.5 %):
     torchrun --nproc-per-node 2 benchmarks/zero1_step.py --preset 1b --batch 8
 CPU smoke run (gloo):
-    torchrun --nproc-per-node 2 benchmarks/zero1_step.py --preset demo --device cpu --batch 2 --iters 2
+    torchrun --nproc-per-node 2 benchmarks/zero1_step.py \
+        --preset demo --device cpu --batch 2 --iters 2
 
 A "step" is forward + backward + gradient collectives + optimizer + param all-gather, i.e.
 everything between two forwards. Steps are timed back to back (one device sync per
@@ -11,7 +12,8 @@ everything between two forwards. Steps are timed back to back (one device sync p
 JSON lines on rank 0:
   torch_ddp   torch DDP (bf16 grads, gradient_as_bucket_view) + torch.optim.AdamW(fused=True)
   aligndp_ddp aligndp parallelize(sharding="none") + fused AdamW (ZeRO-1 should never be slower)
-  zero1       aligndp parallelize(sharding="zero1"), per overlap_param_gather setting; ratio = zero1 / torch
+  zero1       aligndp parallelize(sharding="zero1"), per overlap_param_gather setting;
+              ratio = zero1 / torch
   state       optimizer bytes per rank (fp32 masters + AdamW state) against total / dp_size
 """
 
@@ -182,7 +184,8 @@ def main() -> None:
 
 
 def report_state(opt, model, *, nparams: int, ws: int) -> None:
-    """Optimizer bytes (fp32 masters that are copies + state) per rank vs the ideal total / dp_size."""
+    """Optimizer bytes (fp32 masters that are copies + state) per rank vs the ideal
+    total / dp_size."""
     masters = sum(p.master.numel() * 4 for p in opt.pieces if p.cast_back)
     mine = state_bytes(opt.inner[0]) + masters
     scalar = sum(

@@ -27,7 +27,8 @@ LR = 3e-3
 
 
 def build_model(seed: int = 0):
-    """A 2-layer GPT-2 with byte vocabulary and tied embeddings; no dropout (ranks stay comparable)."""
+    """A 2-layer GPT-2 with byte vocabulary and tied embeddings; no dropout (ranks stay
+    comparable)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -48,7 +49,8 @@ def build_model(seed: int = 0):
 
 
 def loss_of(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``targets`` are ``inputs`` shifted by one (aligndp.app.data)."""
+    """Mean next-token cross-entropy; ``targets`` are ``inputs`` shifted by one
+    (aligndp.app.data)."""
     logits = model(input_ids=inputs).logits  # (batch, seq_len, vocab)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

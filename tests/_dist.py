@@ -135,7 +135,8 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
 
 _REGISTRY: dict[str, dict[str, tuple[int, ...]]] = {}
 _AFTER: dict[str, dict[int, set[int]]] = {}
-"""module -> world size -> world sizes whose cases must have run first (e.g. wrote a file it reads)."""
+"""module -> world size -> world sizes whose cases must have run first (e.g. wrote a file it
+reads)."""
 
 
 def case(*world_sizes: int, after: tuple[int, ...] = ()) -> Callable:

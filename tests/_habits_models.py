@@ -124,7 +124,8 @@ def assert_params_match(ours: nn.Module, theirs: nn.Module, what: str, rel: floa
 
 
 def assert_replicas_identical(module: nn.Module, what: str) -> None:
-    """Every rank's params equal rank 0's bit for bit (checked on every rank: no rank left behind)."""
+    """Every rank's params equal rank 0's bit for bit (checked on every rank: no rank left
+    behind)."""
     flat = torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
@@ -235,7 +236,8 @@ def seeded(factory: Callable[[], nn.Module]) -> nn.Module:
 
 
 class NormalisedSGD(torch.optim.Optimizer):
-    """Test-only, not elementwise: each tensor moves by ``lr * grad / ||grad||`` (a per-tensor norm)."""
+    """Test-only, not elementwise: each tensor moves by ``lr * grad / ||grad||`` (a per-tensor
+    norm)."""
 
     def __init__(self, params, lr: float = 1e-2) -> None:
         super().__init__(params, {"lr": lr})

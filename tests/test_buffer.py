@@ -102,3 +102,24 @@ def test_shape_or_dtype_mismatch_is_refused():
         FlatBuffer(layout, [torch.nn.Parameter(torch.zeros(4, 5))])
     with pytest.raises(ValueError, match="plan the layout from this module"):
         FlatBuffer(layout, [torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))])
+
+
+class OffsetAllocator:
+    """Hands out storage one element past an aligned address (a broken allocation hook)."""
+
+    name = "offset"
+
+    def allocate(self, numel, *, dtype, device, align_bytes):
+        return aligned_empty(numel + 1, dtype=dtype, device=device, align_bytes=align_bytes)[1:]
+
+
+def test_an_allocator_that_breaks_the_alignment_is_refused_naming_it():
+    """[Note: alignment contract] holds whatever allocates the storage: the buffer checks the
+    real address the hook returned (fp32 with 64-element starts: 256 B; one element off: 4 B)."""
+    layout = plan_layout([ParamSpec("a", (97,)), ParamSpec("b", (5,))])
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'offset' allocated a buffer at address 0x[0-9a-f]+, 4 B past a "
+        r"256-byte boundary",
+    ):
+        FlatBuffer(layout, params_of([(97,), (5,)], torch.float32), allocator=OffsetAllocator())

@@ -90,7 +90,7 @@ def case_save_at_four_ranks(rank, ws):
     train(again, again_opt, range(SAVED_AT, SAVED_AT + 1))
     for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):
         torch.testing.assert_close(
-            q, p, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n} after a step: {m}"
+            q, p, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n} after a step: {m}"
         )
 
 
@@ -119,7 +119,8 @@ def case_save_at_two_ranks(rank, ws):
 
 @case(2)
 def case_bf16_resume_is_exact(rank, ws):
-    """fp32 masters are what is saved: a resumed bf16 run is bit-identical to the uninterrupted one."""
+    """fp32 masters are what is saved: a resumed bf16 run is bit-identical to the uninterrupted
+    one."""
     model, opt = build("zero1", 200, torch.bfloat16, grad_dtype=torch.float32)
     train(model, opt, range(SAVED_AT))
     aligndp.save(ckpt("bf16"), model, opt, step=SAVED_AT)

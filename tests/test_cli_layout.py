@@ -10,7 +10,9 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import aligndp
 from aligndp.app import cli, layout_cli
 from aligndp.app.plot import draw_layout
 from aligndp.models.gpt import GPT, PRESETS
@@ -26,7 +28,8 @@ def layout_main(capsys, *argv):
 
 
 def test_flags_are_pinned():
-    """Adding, renaming or dropping a flag must be a deliberate change to this list (and the docs)."""
+    """Adding, renaming or dropping a flag must be a deliberate change to this list (and the
+    docs)."""
     parser = argparse.ArgumentParser()
     layout_cli.add_arguments(parser)
     flags = {s for action in parser._actions for s in action.option_strings}
@@ -96,7 +99,15 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
     # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 64^3 + 32^3 = 294,912 and
     # 4096 + 1024 = 5,120 elements, imbalance exactly 1.
     code, out, _ = layout_main(
-        capsys, "--shapes", "64x64,64x64,32x32,32x32", "--dp", "2", "--mode", "layerwise"
+        capsys,
+        "--shapes",
+        "64x64,64x64,32x32,32x32",
+        "--dp",
+        "2",
+        "--mode",
+        "layerwise",
+        "--optimizer",
+        "muon",  # Newton–Schulz owner cost; without it the cost is the numel
     )
     assert code == 0
     assert out.count("2.949e+05") == 2 and out.count("5,120") >= 2
@@ -185,7 +196,10 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         ([], r"exactly one of --preset or --shapes \(neither given\)"),
         (["--preset", "gpt5"], r"unknown preset 'gpt5'.*gpt2-small"),
         (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
-        (["--shapes", "4", "--bucket-numel", "0"], r"--bucket-numel must be > 0.*leave it out"),
+        (
+            ["--shapes", "4", "--bucket-numel", "0"],
+            r"--bucket-numel must be a positive number.*leave it out",
+        ),
         (["--shapes", "4", "--start-alignment", "48"], r"power of two.*48"),
         (
             ["--shapes", "64x64", "--optimizer", "muon", "--mode", "sharded"],
@@ -273,3 +287,43 @@ def test_python_dash_m_aligndp_layout():
     )
     assert result.returncode == 0, result.stderr
     assert "layerwise buffer" in result.stdout and "imbalance (max/mean)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "kwargs"),
+    [
+        ([], {}),  # the defaults: replicated, 40 M-element buckets
+        (
+            ["--mode", "layerwise", "--optimizer", "muon"],
+            {"optimizer": "muon", "sharding": "zero1"},
+        ),
+    ],
+)
+def test_gpt2_small_shows_the_buckets_the_run_builds(capsys, flags, kwargs):
+    """The picture is not a second implementation: what `aligndp layout --preset gpt2-small`
+    prints is what ``parallelize`` allocates for the real model (one rank; the defaults of
+    both, nothing passed twice)."""
+    code, out, _ = layout_main(capsys, "--preset", "gpt2-small", *flags, "--json")
+    assert code == 0
+    shown = [
+        (b["mode"], b["buckets"], [(p["name"], p["start"], p["owner"]) for p in b["params"]])
+        for b in json.loads(out)["buffers"]
+    ]
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, _ = aligndp.parallelize(GPT(PRESETS["gpt2-small"]), **kwargs)
+        built = [
+            (
+                layout.mode.value,
+                [{"start": b.start, "end": b.end} for b in layout.buckets],
+                [(p.name, p.start, p.owner) for p in layout.params],
+            )
+            for layout in model.layouts
+        ]
+        del model
+    finally:
+        dist.destroy_process_group()
+    assert shown == built
+    assert sum(len(buckets) for _, buckets, _ in shown) > len(shown), "several 40 M buckets"

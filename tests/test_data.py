@@ -1,4 +1,5 @@
-"""Data for `aligndp train`: the synthetic language, files, and batches as functions of (seed, step)."""
+"""Data for `aligndp train`: the synthetic language, files, and batches as functions of
+(seed, step)."""
 
 import re
 
@@ -162,7 +163,8 @@ def test_missing_file(tmp_path):
 def test_batch_not_divisible_names_the_parts_and_a_fix():
     with pytest.raises(
         ValueError,
-        match=r"batch size 10 does not split into 2 rank\(s\) x 3 micro-batch\(es\) = 6 equal parts.*\(e\.g\. 12 or 6\)",
+        match=r"batch size 10 does not split into 2 rank\(s\) x 3 micro-batch\(es\) = 6 equal parts"
+        r".*\(e\.g\. 12 or 6\)",
     ):
         BatchSpec(batch_size=10, seq_len=8, dp_size=2, micro_batches=3)
     with pytest.raises(ValueError, match="seq_len must be an integer >= 1"):

@@ -77,11 +77,21 @@ def grads_match_torch_ddp(overlap: bool) -> None:
     ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200, overlap=overlap))
     theirs = nn.parallel.DistributedDataParallel(make_net(), bucket_cap_mb=0.001)
     assert len(ours.layouts[0].buckets) > 2, "the test needs several buckets"
+    seen_in_flight: list[list] = []
+    # emb.weight is registered first, so its gradient arrives last; this hook runs after ours
+    ours.module.emb.weight.register_post_accumulate_grad_hook(
+        lambda _p: seen_in_flight.append(ours.buckets_in_flight())
+    )
     for step in range(3):  # step 0 learns readiness; later steps overlap
         ours.zero_grad_buffer()
         theirs.zero_grad()
+        seen_in_flight.clear()
         loss_of(ours, *batch(step, rank, ws)).backward()
         launched_early = ours.last_round.launched_during_backward
+        # the last gradient of a learned step launched every bucket, none waited for yet
+        expected_in_flight = ours.bucket_refs if overlap and step > 0 else []
+        assert seen_in_flight == [expected_in_flight], (step, seen_in_flight)
+        assert ours.buckets_in_flight() == [], "backward returns with every bucket reduced"
         ours.finish_grad_sync()
         ours.finish_grad_sync()  # idempotent
         loss_of(theirs, *batch(step, rank, ws)).backward()
@@ -121,7 +131,8 @@ def case_grads_match_single_process_global_batch(rank, ws):
 
 @case(2, 3)
 def case_no_sync_four_micro_batches(rank, ws):
-    """4 micro-batches per rank, the first 3 under no_sync, equal one process on the global batch."""
+    """4 micro-batches per rank, the first 3 under no_sync, equal one process on the global
+    batch."""
     ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=250))
     idx, tgt = batch(0, rank, ws)
     # split the 5 tokens of every row: equal micro-batch counts on every world size
@@ -259,10 +270,9 @@ def case_bf16_params_fp32_grad_buffer(rank, ws):
     net = make_net().to(torch.bfloat16)
     ours = DataParallel(net, config=DDPConfig(grad_dtype=torch.float32, bucket_numel=200))
     assert all(layout.grad_dtype == torch.float32 for layout in ours.layouts)
-    for layout in ours.layouts:
-        for buf in ours.flat_buffers:
-            for g in buf.main_grads:
-                assert g.dtype == torch.float32 and g.data_ptr() % 256 == 0
+    for buf in ours.flat_buffers:
+        for g in buf.main_grads:
+            assert g.dtype == torch.float32 and g.data_ptr() % 256 == 0
     idx, tgt = batch(0, rank, ws)
     loss_of(ours, idx, tgt).backward()
     ours.finish_grad_sync()
@@ -302,7 +312,8 @@ def counting_collectives():
     """Count every gradient/param collective launched through torch.distributed meanwhile.
 
     Wraps the torch.distributed functions aligndp's collectives call (and the aliases
-    aligndp.runtime.collectives captured at import), so a launch is counted whichever code path makes it.
+    aligndp.runtime.collectives captured at import), so a launch is counted whichever code
+    path makes it.
     """
     import aligndp.runtime.collectives as collectives
 
@@ -338,7 +349,8 @@ def counting_collectives():
 
 
 def micro_batches(step: int, rank: int, ws: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """This rank's share of step's global batch as 3 micro-batches split along tokens: (x, y, weight)."""
+    """This rank's share of step's global batch as 3 micro-batches split along tokens:
+    (x, y, weight)."""
     idx, tgt = batch(step, rank, ws)
     return [
         (idx[:, :2], tgt[:, :2], 2 / 5),
@@ -384,7 +396,8 @@ def case_no_sync_after_readiness_is_learned_launches_nothing(rank, ws):
             with ours.no_sync():
                 (wa * loss_of(ours, xa, ya)).backward()
         assert not calls, (
-            f"micro-batch {i} under no_sync launched collectives after readiness was learned: {calls}"
+            f"micro-batch {i} under no_sync launched collectives after readiness was learned: "
+            f"{calls}"
         )
     (w * loss_of(theirs, x, y)).backward()
     assert their_calls[0] > 0
@@ -526,3 +539,26 @@ def case_clipping_on_some_steps_only_matches_one_process(rank, ws):
 
 
 make_tests(globals())
+
+
+def test_nonfinite_counts_match_per_param_counts():
+    """check_finite counts per param from one pass over the bucket (step_flags.py); the
+    reference counts each param's slice on its own. Spans of zero length, at the bucket's
+    ends, and NaN / +Inf / -Inf at span edges included."""
+    from aligndp.runtime.step_flags import nonfinite_counts
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        numel = int(torch.randint(1, 60, (1,), generator=g))
+        bucket = torch.randn(numel, generator=g)
+        kind = torch.randint(0, 8, (numel,), generator=g)
+        bucket[kind == 0] = float("nan")
+        bucket[kind == 1] = float("inf")
+        bucket[kind == 2] = float("-inf")
+        cuts = torch.randint(0, numel + 1, (6,), generator=g).sort().values.tolist()
+        spans = list(zip(cuts[:-1], cuts[1:])) + [(0, numel), (0, 0), (numel, numel)]
+        starts = torch.tensor([a for a, _ in spans])
+        ends = torch.tensor([b for _, b in spans])
+        got = nonfinite_counts(bucket, starts=starts, ends=ends).tolist()
+        expected = [int((~torch.isfinite(bucket[a:b])).sum()) for a, b in spans]
+        assert got == expected, (trial, spans, got, expected)

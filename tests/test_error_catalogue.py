@@ -439,7 +439,8 @@ def test_cli(label, argv, pattern, tmp_path, capsys, monkeypatch):
 
 
 def test_parallelize_runs_the_input_checks(group):
-    """Through the public door: needs check_parallelize_inputs called in parallelize (the lead's line)."""
+    """Through the public door: needs check_parallelize_inputs called in parallelize (the lead's
+    line)."""
     import inspect
 
     from aligndp import parallelize as module

@@ -72,7 +72,8 @@ def global_batch(step: int, ws: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over ``x``'s tokens / TOKENS: per token, what a rank's mean loss weighs."""
+    """Summed cross-entropy over ``x``'s tokens / TOKENS: per token, what a rank's mean loss
+    weighs."""
     return F.cross_entropy(model(x), y, reduction="sum") / TOKENS
 
 
@@ -140,7 +141,8 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
         model.finish_grad_sync()
         if step > 0:
             assert launched_in_backward == num_buckets, (
-                f"step {step}: {launched_in_backward} of {num_buckets} buckets launched during backward"
+                f"step {step}: {launched_in_backward} of {num_buckets} buckets launched during "
+                "backward"
             )
         ref = one_process_grads(step, ws)
         for buf in model.flat_buffers:
@@ -154,7 +156,8 @@ def check_against_one_process(mode: Mode, *, rank: int, ws: int) -> None:
                     expected[lo:hi],
                     rtol=1e-5,
                     atol=1e-7,
-                    msg=lambda m: f"{mode.value} step {step} bucket {b}: {m}",
+                    # called inside this iteration; the defaults pin this step and bucket
+                    msg=lambda m, step=step, b=b: f"{mode.value} step {step} bucket {b}: {m}",
                 )
     for h in hooks:
         h.remove()

@@ -1,4 +1,5 @@
-"""An unmodified Hugging Face GPT2LMHeadModel under aligndp.parallelize (skipped without transformers).
+"""An unmodified Hugging Face GPT2LMHeadModel under aligndp.parallelize (skipped without
+transformers).
 
 Reference: the same model (same seed) trained by plain torch AdamW in this one process on the
 whole global batch. The head is tied to the token embedding, so this also checks that a param

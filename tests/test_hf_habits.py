@@ -63,7 +63,8 @@ class Recipe:
     """(generator, global rows) -> the global batch as model kwargs; each rank takes its rows."""
     loss: Callable[[nn.Module, dict], torch.Tensor] = lambda model, batch: model(**batch).loss
     scheduler: str = "linear"
-    """``"linear"``: get_linear_schedule_with_warmup; ``"cosine"``: get_cosine_schedule_with_warmup."""
+    """``"linear"``: get_linear_schedule_with_warmup; ``"cosine"``:
+    get_cosine_schedule_with_warmup."""
     warmup: int = 0
     unused: tuple[str, ...] = ()
     """Names of params no rank's loss reaches (torch DDP then needs find_unused_parameters=True)."""
@@ -189,7 +190,8 @@ def _image_batch(gen: torch.Generator, rows: int) -> dict:
 
 
 def _hidden_state_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """A loss on ``last_hidden_state`` only: the pooler gets no gradient (scaled so clipping engages)."""
+    """A loss on ``last_hidden_state`` only: the pooler gets no gradient (scaled so clipping
+    engages)."""
     batch = {k: v for k, v in batch.items() if k != "labels"}
     return 10 * model(**batch).last_hidden_state.square().mean()
 
@@ -236,7 +238,8 @@ def decay_names(model: nn.Module) -> set[str]:
 
 
 def hf_param_groups(model: nn.Module) -> list[dict]:
-    """``Trainer.create_optimizer``'s two groups: weight decay on matrices, none on biases and norms."""
+    """``Trainer.create_optimizer``'s two groups: weight decay on matrices, none on biases and
+    norms."""
     decay = decay_names(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
@@ -278,7 +281,8 @@ def train(
     world_size: int,
     clip: Callable[[], torch.Tensor],
 ) -> Trace:
-    """3 steps: this rank's rows of each global batch, backward, clip, step, scheduler, zero_grad."""
+    """3 steps: this rank's rows of each global batch, backward, clip, step, scheduler,
+    zero_grad."""
     trace = Trace()
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(1000 + step)
@@ -362,7 +366,8 @@ def check_match(
     want: Trace,
     recipe: Recipe,
 ) -> None:
-    """Losses, grad norms, lrs, unused params per step and every param after the last step, on this rank."""
+    """Losses, grad norms, lrs, unused params per step and every param after the last step, on this
+    rank."""
     assert got.losses == pytest.approx(want.losses, rel=REL_TOL, abs=0), f"{name}: losses differ"
     assert got.grad_norms == pytest.approx(want.grad_norms, rel=REL_TOL, abs=0), (
         f"{name}: grad norms differ"
@@ -407,8 +412,10 @@ def check_match(
         errors[n] = relative_error(a, b)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= REL_TOL, (
-        f"{name}: param {worst!r} is {errors[worst]:.3g} relative from torch DDP after {STEPS} steps "
-        f"(tolerance {REL_TOL}); over {REL_TOL}: {sorted(k for k, e in errors.items() if e > REL_TOL)[:8]}"
+        f"{name}: param {worst!r} is {errors[worst]:.3g} relative from torch DDP after {STEPS} "
+        "steps "
+        f"(tolerance {REL_TOL}); over {REL_TOL}: "
+        f"{sorted(k for k, e in errors.items() if e > REL_TOL)[:8]}"
     )
 
 

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from aligndp.lowp.recipes import wgrad_requirements
-from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_buffers, plan_layout, validate
+from aligndp.optim.muon import newton_schulz_cost
+from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_layout, validate
+from aligndp.plan.request import PlanRequest, modes_for_sharding, plan_buffers
+from aligndp.plan.spec import DEFAULT_BUCKET_NUMEL, numel_cost
 
 MODES = [m.value for m in Mode]
 
@@ -35,7 +38,8 @@ def test_two_odd_params_get_64_element_starts():
 
 def test_three_matrices_split_into_two_buckets():
     # c [0, 10000): 10000 < 15000 keeps bucket 0 open; b starts at round_up(10000, 64) = 10048, ends
-    # 20048; 20000 elements >= 15000 closes bucket 0 at round_up(20048, 64) = 20096. a fills bucket 1
+    # 20048; 20000 elements >= 15000 closes bucket 0 at round_up(20048, 64) = 20096.
+    # a fills bucket 1
     # from 20096 to 30096, rounded to 20096 + 10048 = 30144.
     specs = [ParamSpec(n, (100, 100)) for n in "abc"]
     layout = plan_layout(specs, bucket_numel=15_000)
@@ -77,7 +81,7 @@ def test_layerwise_balances_two_big_and_two_small_matrices():
         ParamSpec("C", (32, 32)),
         ParamSpec("D", (32, 32)),
     ]
-    layout = plan_layout(specs, dp_size=2, mode="layerwise")
+    layout = plan_layout(specs, dp_size=2, mode="layerwise", owner_cost=newton_schulz_cost)
     assert {p.name: p.owner for p in layout.params} == {"A": 1, "B": 0, "C": 1, "D": 0}
     assert spans(layout) == {
         "D": (0, 1024),
@@ -88,10 +92,14 @@ def test_layerwise_balances_two_big_and_two_small_matrices():
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 10_240)]
     assert layout.padding_numel == 0
     assert layout.rank_costs() == [64.0**3 + 32.0**3] * 2 and layout.imbalance == 1.0
+    # the costs recorded at plan time, or any cost function given afterwards (numel here)
+    assert [p.cost for p in layout.params] == [32.0**3, 64.0**3, 32.0**3, 64.0**3]
+    assert layout.rank_costs(numel_cost) == [64.0**2 + 32.0**2] * 2
 
 
 def test_layerwise_one_param_per_rank_pads_to_the_largest():
-    # dp 2, a (100,) and b (300,): each rank owns one; shards round_up(300 -> 320 aligned, 128) = 384.
+    # dp 2, a (100,) and b (300,): each rank owns one;
+    # shards round_up(300 -> 320 aligned, 128) = 384.
     layout = plan_layout(
         [ParamSpec("a", (100,)), ParamSpec("b", (300,))], dp_size=2, mode="layerwise"
     )
@@ -119,6 +127,39 @@ def test_plan_buffers_groups_by_dtype_in_registration_order():
     bf16, fp32 = plan_buffers(specs, grad_dtype=torch.float32)
     assert [p.name for p in bf16.params] == ["c", "a"] and [p.name for p in fp32.params] == ["b"]
     assert bf16.grad_dtype == fp32.grad_dtype == torch.float32
+
+
+def test_plan_request_is_one_request_for_every_caller():
+    """[Note: one plan request]: the specs form equals the request form; a request binds only to
+    the params and dp size it was made for; wrapper requirements join it once."""
+    specs = [ParamSpec("w", (64, 48)), ParamSpec("b", (48,)), ParamSpec("v", (48, 64))]
+    request = PlanRequest(
+        specs=specs, dp_size=2, modes=modes_for_sharding("zero1", ["w", "b", "v"], whole=["w"])
+    )
+    assert request.bucket_numel == DEFAULT_BUCKET_NUMEL == 40_000_000
+    assert {n: request.mode_of(n).value for n in ("w", "b", "v")} == {
+        "w": "layerwise",
+        "b": "sharded",
+        "v": "sharded",
+    }
+    layouts = plan_buffers(request)
+    assert layouts == plan_buffers(specs, dp_size=2, modes=request.modes)
+    assert [lo.mode for lo in layouts] == [Mode.LAYERWISE, Mode.SHARDED]
+    fp8 = Requirement("fp8", start_bytes=16)
+    bound = request.bind(specs, dp_size=2, requirements=[fp8, fp8])
+    assert (
+        bound.requirements == (fp8,) and bound.bind(specs, dp_size=2, requirements=[fp8]) == bound
+    )
+    with pytest.raises(ValueError, match=r"other params.*\('b', \(48,\).*module being wrapped"):
+        request.bind([s for s in specs if s.name != "b"], dp_size=2)
+    with pytest.raises(ValueError, match="dp_size 2 but the process group has 3 ranks"):
+        request.bind(specs, dp_size=3)
+    with pytest.raises(ValueError, match="unknown sharding 'zero3'"):
+        modes_for_sharding("zero3", ["w"])
+    with pytest.raises(ValueError, match=r"modes name params .*\['x'\]"):
+        PlanRequest(specs=specs, modes={"x": Mode.SHARDED})
+    with pytest.raises(TypeError, match="grad_dtype must be a floating"):
+        PlanRequest(specs=specs, grad_dtype=torch.int32)
 
 
 # --- the bug this project exists for -------------------------------------------------------
@@ -172,7 +213,8 @@ def test_lowered_alignment_is_honoured_without_a_consumer():
 
 
 def test_fp8_requirement_counts_bytes_of_the_wider_dtype():
-    # FP8 wgrad asks 16 B: 8 elements of bf16 params, 4 of fp32 grads -> lcm 8; b [0, 103), a at 104.
+    # FP8 wgrad asks 16 B: 8 elements of bf16 params, 4 of fp32 grads -> lcm 8;
+    # b [0, 103), a at 104.
     specs = [ParamSpec("a", (97,), torch.bfloat16), ParamSpec("b", (103,), torch.bfloat16)]
     layout = plan_layout(
         specs, start_alignment=1, requirements=wgrad_requirements("fp8"), grad_dtype=torch.float32

@@ -147,7 +147,7 @@ def assert_owners_partition(opt, routing) -> None:
     dist.all_gather_object(every, mine)
     flat = [n for names in every for n in names]
     assert sorted(flat) == sorted(routing.muon), f"owners {every} do not partition {routing.muon}"
-    stepped = [n for n in muon.names if muon.momentum(n) is not None]
+    stepped = [n for n in muon.names if "momentum_buffer" in muon.state_of(n)]
     assert sorted(stepped) == sorted(mine), f"momentum on {stepped}, owned {mine}"
 
 
@@ -324,10 +324,11 @@ def case_bf16_params_fp32_masters(rank, ws):
     for i in muon.owned:
         assert muon.targets[i].dtype == torch.float32 and muon.targets[i] is not muon.params[i]
         assert torch.equal(muon.params[i], muon.targets[i].to(torch.bfloat16))
-        assert muon.momentum(muon.names[i]).dtype == torch.float32
+        assert muon.state_of(muon.names[i])["momentum_buffer"].dtype == torch.float32
 
 
-ALIGNMENT_RUNS = [  # (optimizer, sharding, param dtype, grad dtype, wgrad, start_alignment asked, bytes expected)
+# (optimizer, sharding, param dtype, grad dtype, wgrad, start_alignment asked, bytes expected)
+ALIGNMENT_RUNS = [
     ("muon", "zero1", torch.float32, None, "mxfp8", 1, 256),  # layerwise + sharded
     ("muon", "none", torch.float32, None, "mxfp8", 1, 256),  # replicated
     ("muon", "zero1", torch.bfloat16, None, "mxfp8", 1, 128),
@@ -400,7 +401,7 @@ def case_regression_mxfp8_wgrad_with_layerwise_muon_every_view_aligned(rank, ws)
 def case_hand_made_misaligned_layout_refused_naming_the_param(rank, ws):
     """No mode skips validation: a layout whose first param starts one element off is refused
     when ``parallelize`` builds the buffers, with an error naming that param."""
-    from aligndp.plan import layout as layout_module
+    from aligndp.plan import request as request_module
 
     for mode, optimizer, sharding in [
         (Mode.REPLICATED, "muon", "none"),
@@ -416,7 +417,7 @@ def case_hand_made_misaligned_layout_refused_naming_the_param(rank, ws):
             shifted = dataclasses.replace(first, start=first.start + 1, end=first.end + 1)
             return dataclasses.replace(layout, params=(shifted,) + layout.params[1:])
 
-        with mock.patch.object(layout_module, "plan_layout", misaligned):  # what plan_buffers calls
+        with mock.patch.object(request_module, "plan_layout", misaligned):  # plan_buffers calls it
             with pytest.raises(ValueError) as error:
                 aligndp.parallelize(
                     make_net(HUGE), optimizer=optimizer, sharding=sharding, wgrad="mxfp8"
@@ -491,7 +492,7 @@ def resume_and_compare(saved_dp: int) -> None:
                     p.add_(1.0)
             assert aligndp.load(ckpt(f"muon-{saved}-dp{saved_dp}"), model, opt) == SAVED_AT
             if sharding == "zero1":
-                stepped = [n for n in opt.routing.muon if opt.parts[0].momentum(n) is not None]
+                stepped = [n for n in opt.routing.muon if opt.parts[0].state_of(n)]
                 assert sorted(stepped) == sorted(opt.parts[0].names[i] for i in opt.parts[0].owned)
             train(model, opt, range(SAVED_AT, STEPS))
             for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):

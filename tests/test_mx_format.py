@@ -217,7 +217,8 @@ def test_nan_blocks_match_torchao(elem):
 @BOTH
 def test_inf_blocks_deliberately_become_nan(elem):
     """Deliberate difference: torchao saturates +-inf to +-max (scale 2**(128 - emax)),
-    hiding an overflow; per the OCP spec a block whose log2(amax) is out of range gets a NaN scale."""
+    hiding an overflow; per the OCP spec a block whose log2(amax) is out of range gets a NaN
+    scale."""
     x = torch.randn(1, 64)
     x[0, 40] = float("inf")
     ours, ref = quantize_mxfp8(x, elem_dtype=elem), torchao_pair(x, elem)

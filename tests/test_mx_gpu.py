@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
 
 from aligndp.lowp import MXLinear, quantize_mxfp8  # noqa: E402
 from aligndp.lowp.backends import ReferenceBackend, get_backend  # noqa: E402
+from aligndp.lowp.recipe import ScaleFormat  # noqa: E402
 
 DEV = "cuda"
 
@@ -55,7 +56,8 @@ def test_fp8_1x128_quantise_kernels_agree_with_torch():
     x = torch.randn(640, 384, generator=g, device=DEV, dtype=torch.bfloat16) * 7
     x[:128, 5] = 0.0  # an all-zero column block: scale 1, data 0
     outs = [
-        quantize_rows_and_columns(x, block=128, mx=False, impl=impl) for impl in ("gluon", "triton")
+        quantize_rows_and_columns(x, block=128, scale_format=ScaleFormat.FP32, impl=impl)
+        for impl in ("gluon", "triton")
     ]
     for (row, col), (row2, col2) in [outs]:
         assert torch.equal(row.data.view(torch.uint8), row2.data.view(torch.uint8)) and torch.equal(
@@ -134,9 +136,12 @@ def test_mxlinear_on_gpu_matches_reference_backend(backend):
     assert rel_err(bg, lin.bias.grad) < bound  # the GPU backends add the bias in the GEMM epilogue
 
 
-@pytest.mark.parametrize("mx,impl", [(True, "auto"), (False, "gluon"), (False, "triton")])
+@pytest.mark.parametrize(
+    "scale_format,impl",
+    [(ScaleFormat.E8M0, "auto"), (ScaleFormat.FP32, "gluon"), (ScaleFormat.FP32, "triton")],
+)
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_bias_epilogue(mx, impl, accumulate):
+def test_gemm_bias_epilogue(scale_format, impl, accumulate):
     """``scaled_gemm(bias=...)`` adds the bias to every row in float32 before the store, in all
     three GEMM kernels; a bias shorter than N (a padded output) reads as zeros past its end."""
     from aligndp.lowp.triton_kernels import (
@@ -146,22 +151,37 @@ def test_gemm_bias_epilogue(mx, impl, accumulate):
     )
 
     g = torch.Generator(device=DEV).manual_seed(6)
-    block = 32 if mx else 128
+    block = 32 if scale_format is ScaleFormat.E8M0 else 128
     x = torch.randn(256, 384, generator=g, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(384, 384, generator=g, device=DEV, dtype=torch.bfloat16)
     a, b = (
-        quantize_rows_and_columns(x, block=block, mx=mx)[0],
-        quantize_rows_and_columns(w, block=block, mx=mx)[0],
+        quantize_rows_and_columns(x, block=block, scale_format=scale_format)[0],
+        quantize_rows_and_columns(w, block=block, scale_format=scale_format)[0],
     )
     bias = torch.randn(300, generator=g, device=DEV)
     start = torch.randn(256, 384, generator=g, device=DEV)
     out = scaled_gemm(
-        a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, bias=bias, impl=impl
+        a,
+        b,
+        start.clone(),
+        block=block,
+        scale_format=scale_format,
+        accumulate=accumulate,
+        bias=bias,
+        impl=impl,
     )
-    plain = scaled_gemm(a, b, start.clone(), block=block, mx=mx, accumulate=accumulate, impl=impl)
+    plain = scaled_gemm(
+        a,
+        b,
+        start.clone(),
+        block=block,
+        scale_format=scale_format,
+        accumulate=accumulate,
+        impl=impl,
+    )
     padded = torch.cat([bias, bias.new_zeros(84)])
     assert rel_err(out, plain + padded) < 1e-6
-    if mx:  # and the product itself, against the dequantised operands
+    if scale_format is ScaleFormat.E8M0:  # and the product itself, against the dequantised operands
         exact = dequantize_operand(a).double() @ dequantize_operand(b).double().T + padded.double()
         assert rel_err(out, exact + (start.double() if accumulate else 0)) < 1e-6
 
@@ -263,7 +283,13 @@ def test_fp8_block_gemm_kernels_match_float64(impl, out_dtype, accumulate):
         (a, da), (b, db) = operand(M, K), operand(N, K)
         start = torch.randn(M, N, generator=g, device=DEV).to(out_dtype)
         out = scaled_gemm(
-            a, b, start.clone(), block=128, mx=False, accumulate=accumulate, impl=impl
+            a,
+            b,
+            start.clone(),
+            block=128,
+            scale_format=ScaleFormat.FP32,
+            accumulate=accumulate,
+            impl=impl,
         )
         exact = da @ db.T + (start.double() if accumulate else 0)
         assert rel_err(out, exact) < (5e-4 if out_dtype == torch.float32 else 5e-3), (M, N, K)

@@ -318,7 +318,7 @@ def train_losses(model, steps, *, batch=8, seq_len=64, seed=0):
     pattern = torch.randint(0, 256, (37,), generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         starts = torch.randint(0, 37, (batch,), generator=g)
         seq = pattern[(starts[:, None] + torch.arange(seq_len + 1)) % 37]  # (batch, seq_len + 1)
         loss = model(seq[:, :-1], seq[:, 1:])
@@ -371,7 +371,9 @@ def test_mxfp8_gpt_trains_like_the_torchao_emulation(one_thread):
     ours_model(seq[:, :-1], seq[:, 1:]).backward()
     ref_model(seq[:, :-1], seq[:, 1:]).backward()
     for (n, p), q in zip(ours_model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}"
+        )
     ours, ref = (
         train_losses(ours_model, 10, batch=4, seq_len=32),
         train_losses(ref_model, 10, batch=4, seq_len=32),

@@ -26,7 +26,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import aligndp
-from aligndp.plan.layout import ParamSpec, plan_buffers
+from aligndp.plan.layout import ParamSpec
+from aligndp.plan.request import plan_buffers
 from aligndp.runtime import agreement
 from aligndp.state.checkpoint import prune_checkpoints
 from tests._dist import case, make_tests
@@ -119,7 +120,8 @@ def case_different_dtypes_and_requires_grad_are_named(rank, ws):
 
 @case(2)
 def case_same_params_other_layout_is_named(rank, ws):
-    """Same model, a different bucket_numel on one rank: the buckets (collectives) would not match."""
+    """Same model, a different bucket_numel on one rank: the buckets (collectives) would not
+    match."""
     module = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
     specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()]
     layouts = plan_buffers(specs, dp_size=ws, bucket_numel=80 if rank else 10_000)
@@ -258,7 +260,8 @@ def inject_write_error(error: OSError, on_rank: int):
 
 @case(2)
 def case_disk_full_and_permission_errors_are_one_line_and_leave_nothing(rank, ws):
-    """A full disk said 'enforce fail ... unexpected pos' and left <path>.partial filling the disk."""
+    """A full disk said 'enforce fail ... unexpected pos' and left <path>.partial filling the
+    disk."""
     model, opt = aligndp.parallelize(small(), lr=0.1)
     path = where("full", ws)
     aligndp.save(path, model, opt, step=1)
@@ -407,10 +410,9 @@ def test_parallelize_check_is_wired():
 
     from aligndp.runtime import ddp
 
-    if "check_ranks_agree" not in inspect.getsource(ddp):
-        pytest.skip(
-            "DataParallel does not call aligndp.runtime.agreement.check_ranks_agree yet (the lead's line)"
-        )
+    assert "check_ranks_agree(" in inspect.getsource(ddp.DataParallel.__init__), (
+        "DataParallel must call aligndp.runtime.agreement.check_ranks_agree when it wraps"
+    )
 
 
 def test_collective_timeout_reads_argument_env_and_default(monkeypatch):

@@ -36,10 +36,12 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def layer_of(module: str) -> str:
+    if module == "aligndp.__main__":
+        return "app"  # ``python -m aligndp`` is the CLI
     parts = module.split(".")
     if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
         return parts[1]
-    return "api"  # aligndp/__init__.py, parallelize.py, user_input.py, __main__.py
+    return "api"  # aligndp/__init__.py, parallelize.py, user_input.py
 
 
 def sources() -> dict[str, pathlib.Path]:
@@ -170,3 +172,31 @@ def test_ruff(args):
     paths = ["src", "tests", "benchmarks", "tools", "examples"]
     out = subprocess.run([*_ruff(), *args, *paths], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout[-4000:]}{out.stderr[-2000:]}"
+
+
+NOTE = re.compile(r"\[Note: ([^\]<>]+)\]")
+
+
+def note_definitions() -> dict[str, list[str]]:
+    """Where each [Note: X] is written out: a DESIGN.md heading ``## [Note: X]...`` or a source
+    line that is the note's title alone (the first line of its text)."""
+    found: dict[str, list[str]] = {}
+    for i, line in enumerate((ROOT / "DESIGN.md").read_text().splitlines(), 1):
+        if line.startswith("## ") and (m := NOTE.search(line)):
+            found.setdefault(m.group(1), []).append(f"DESIGN.md:{i}")
+    for p in sorted(PACKAGE.rglob("*.py")):
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if (m := NOTE.fullmatch(line.strip().lstrip('"').strip())) is not None:
+                found.setdefault(m.group(1), []).append(f"{p.relative_to(ROOT)}:{i}")
+    return found
+
+
+def test_each_note_is_written_once_and_every_reference_has_one():
+    defined = note_definitions()
+    twice = {k: v for k, v in defined.items() if len(v) > 1}
+    assert not twice, f"notes written out in more than one place: {twice}"
+    texts = [(ROOT / "DESIGN.md").read_text(), (ROOT / "README.md").read_text()]
+    texts += [p.read_text() for p in PACKAGE.rglob("*.py")]
+    referenced = {m.group(1) for t in texts for m in NOTE.finditer(t)}
+    missing = sorted(r for r in referenced if r not in defined)
+    assert not missing, f"notes referred to but written nowhere: {missing}"

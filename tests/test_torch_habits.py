@@ -53,7 +53,8 @@ from tests._habits_models import (
 
 
 def grads_are_main_grad_views(model) -> None:
-    """[Note: step states]: after a synced backward a replicated param's ``p.grad`` IS its reduced view."""
+    """[Note: step states]: after a synced backward a replicated param's ``p.grad`` IS its reduced
+    view."""
     for n, p in model.module.named_parameters():
         assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), (
             f"{n}: p.grad must be the reduced main_grad view after backward() returns"
@@ -786,7 +787,8 @@ def case_zero1_refuses_non_elementwise_optimizers(rank, ws):
 
 
 def poison_on(rank: int, param: nn.Parameter, value: float = math.nan):
-    """A gradient hook that puts ``value`` into one element of ``param``'s local gradient on ``rank`` only."""
+    """A gradient hook that puts ``value`` into one element of ``param``'s local gradient on
+    ``rank`` only."""
     if dist.get_rank() != rank:
         return contextlib.nullcontext()
     handle = param.register_hook(
@@ -891,7 +893,8 @@ def slow_param_gathers():
     with mock.patch.object(collectives, "_all_gather", delayed):
         yield
     assert calls, (
-        "no param all-gather went through aligndp.runtime.collectives._all_gather: the delay was not injected"
+        "no param all-gather went through aligndp.runtime.collectives._all_gather: the delay was "
+        "not injected"
     )
 
 

@@ -30,7 +30,8 @@ def _train(args, out):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """2 launched gloo ranks, each reading 2 micro-batches of 2 sequences of the global batch of 8."""
+    """2 launched gloo ranks, each reading 2 micro-batches of 2 sequences of the global batch of
+    8."""
     out = tmp_path_factory.mktemp("two_ranks")
     assert (
         cli.main(
@@ -140,7 +141,8 @@ def _error_line(capsys):
         (["--preset", "gpt5"], "unknown preset 'gpt5': choose one of demo, tiny-odd"),
         (
             ["--batch-size", "6", "--micro-batches", "4"],
-            r"--batch-size 6 does not split into --nproc 2 ranks x --micro-batches 4 = 8 equal parts.*--batch-size 8",
+            r"--batch-size 6 does not split into --nproc 2 ranks x --micro-batches 4 = 8 "
+            r"equal parts.*--batch-size 8",
         ),
         (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
         (["--resume"], "holds no checkpoint; run once with --checkpoint-every N first"),
@@ -290,7 +292,8 @@ def test_config_checks_choices_when_built_in_code():
 
 
 def test_lr_schedule_by_hand():
-    # 100 steps: 10 warm-up steps (0.1, 0.2, ..., 1.0), then cosine from 1.0 at step 10 to 0.1 at step 99
+    # 100 steps: 10 warm-up steps (0.1, 0.2, ..., 1.0), then cosine from 1.0 at step 10 to 0.1
+    # at step 99
     assert [lr_factor(s, 100) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert lr_factor(10, 100) == pytest.approx(1.0)
     assert lr_factor(10 + 89 / 2, 100) == pytest.approx(0.55)

@@ -1,4 +1,5 @@
-"""ZeRO-1 (sharding="zero1") against torch's optimizers on one process with the global batch (gloo)."""
+"""ZeRO-1 (sharding="zero1") against torch's optimizers on one process with the global batch
+(gloo)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def train_and_compare(
     micro_batches=1,
     **kwargs,
 ) -> None:
-    """``steps`` ZeRO-1 steps vs ``ref_class`` on one process with the global batch, compared every step."""
+    """``steps`` ZeRO-1 steps vs ``ref_class`` on one process with the global batch, compared every
+    step."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     opt_kwargs = {"lr": 1e-2} | ({"momentum": 0.9} if ref_class is torch.optim.SGD else {})
     model, opt = aligndp.parallelize(
@@ -97,7 +99,8 @@ def train_and_compare(
 
 @case(2, 3, 4)
 def case_adamw_equals_single_process(rank, ws):
-    """Small buckets: params straddle slices; several buckets; grad and param-gather overlap on/off."""
+    """Small buckets: params straddle slices; several buckets; grad and param-gather overlap
+    on/off."""
     train_and_compare(bucket_numel=200, overlap=True)
     train_and_compare(bucket_numel=300, overlap=False, overlap_param_gather=True)
 
@@ -134,7 +137,8 @@ def case_lr_scheduler_reaches_inner_optimizer(rank, ws):
 
 @case(2)
 def case_bf16_params_fp32_masters(rank, ws):
-    """bf16 forward/backward, fp32 grad buffer and masters vs one process: bf16 model, fp32 master AdamW.
+    """bf16 forward/backward, fp32 grad buffer and masters vs one process: bf16 model, fp32
+    master AdamW.
 
     The only difference is where grads are rounded: the reference's param.grad is bf16 of the
     global batch, ours are bf16 per rank, averaged in fp32. Adam divides by sqrt(v), so an
@@ -185,7 +189,8 @@ def bf16_against_fp32_masters(grad_dtype: torch.dtype | None, *, mean_bound: flo
             )
     diff = torch.cat(diffs)
     print(
-        f"bf16 params, {grad_dtype} grads: masters vs reference: mean |diff| {diff.mean() / lr:.3g} lr, "
+        f"bf16 params, {grad_dtype} grads: masters vs reference: mean |diff| "
+        f"{diff.mean() / lr:.3g} lr, "
         f"max {diff.max() / lr:.3g} lr"
     )
     assert diff.mean() <= mean_bound * lr and diff.max() <= 2 * lr, (
@@ -291,6 +296,28 @@ def test_owned_segments_partition_real_elements():
         )
 
 
+@case(2)
+def case_step_hooks_fire(rank, ws):
+    """torch's ``register_step_pre_hook`` / ``register_step_post_hook`` work on aligndp's
+    optimizers (``torch.optim.Optimizer.__init__`` runs and patches ``step``), once per step,
+    around the inner step, in every mode."""
+    for kwargs in ({"sharding": "zero1"}, {"sharding": "none"}, {"optimizer": "muon"}):
+        model, opt = aligndp.parallelize(make_net(), lr=1e-2, **kwargs)
+        seen: list[tuple[str, bool]] = []
+
+        def hook(name, seen=seen, opt=opt):
+            return lambda o, args, kw: seen.append((name, o is opt))
+
+        opt.register_step_pre_hook(hook("pre"))
+        opt.register_step_post_hook(hook("post"))
+        for step in range(2):
+            loss_of(model, *batch(step, rank, ws)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert seen == [("pre", True), ("post", True)] * 2, (kwargs, seen)
+        assert opt.defaults == opt.inner[0].defaults and len(opt.param_groups) >= 1
+
+
 def test_non_elementwise_optimizer_is_refused():
     class Whole(torch.optim.Optimizer):
         def __init__(self, params, lr=0.1):
@@ -301,7 +328,7 @@ def test_non_elementwise_optimizer_is_refused():
     with pytest.raises(ValueError, match="layer-wise mode"):
         aligndp.parallelize(make_net(), sharding="zero1", optimizer=Whole)
     with pytest.raises(ValueError, match="layer-wise mode"):
-        check_elementwise("muon")
+        check_elementwise(torch.optim.Muon)
     check_elementwise(torch.optim.AdamW)
     check_elementwise("sgd")
 

@@ -1,4 +1,9 @@
-"""``parallelize()``: the one door. Routes params, derives requirements, builds DDP + optimizer."""
+"""``parallelize()``: the one door. Routes params, derives requirements, builds DDP + optimizer.
+
+[Note: one plan request] (aligndp/plan/request.py): :func:`plan_request` is the one place a
+model and parallelize's arguments become a :class:`~aligndp.plan.request.PlanRequest`;
+``parallelize`` hands it to ``DataParallel`` and ``aligndp layout`` prints what it plans.
+"""
 
 from __future__ import annotations
 
@@ -6,38 +11,81 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.optim.base import DataParallelOptimizer, resolve_optimizer_class
-from aligndp.optim.composite import CompositeOptimizer, ReplicatedPart
-from aligndp.optim.groups import ParamGroupsArg, resolve_param_groups
-from aligndp.plan.layout import DEFAULT_START_ALIGNMENT, Requirement
+from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm
+from aligndp.optim.composite import CompositeOptimizer, OptimizerPart, ReplicatedPart
+from aligndp.optim.groups import ParamGroup, ParamGroupsArg, resolve_param_groups
+from aligndp.optim.registry import resolve_optimizer
+from aligndp.optim.sharded import ShardedOptimizer, ShardedPart, check_elementwise
+from aligndp.optim.whole_matrix import WholeMatrixPart, WholeMatrixSpec, split_kwargs, torch_groups
+from aligndp.plan.fused import fused_wgrad_modules
+from aligndp.plan.layout import DEFAULT_BUCKET_NUMEL, DEFAULT_START_ALIGNMENT, Mode, Requirement
+from aligndp.plan.request import SHARDINGS, PlanRequest, modes_for_sharding
+from aligndp.plan.routing import MuonFilter, Routing, route_params
+from aligndp.plan.spec import ParamSpec, numel_cost
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.user_input import check_parallelize_inputs
 
-__all__ = ["parallelize", "SHARDINGS", "WGRAD_RECIPES"]
-
-SHARDINGS = ("none", "zero1")
-WGRAD_RECIPES = (None, "none", "fp8", "mxfp8")
+__all__ = ["parallelize", "plan_request", "SHARDINGS"]
 
 
 def _wgrad_requirements(wgrad: str | None) -> list[Requirement]:
-    if wgrad not in WGRAD_RECIPES:
-        raise ValueError(f"unknown wgrad recipe {wgrad!r}: choose one of none, fp8, mxfp8")
-    if wgrad in (None, "none"):
-        return []
+    """The registered recipe's requirements (aligndp.lowp.recipes; ValueError naming the
+    registered recipes for an unknown one); None is the ``none`` recipe."""
     from aligndp.lowp.recipes import wgrad_requirements
 
-    return wgrad_requirements(wgrad)
+    return wgrad_requirements("none" if wgrad is None else wgrad)
 
 
 def _use_fused_kernels(model: nn.Module, opt_class: type, optimizer_kwargs: dict) -> bool:
     """On CUDA, torch's fused kernel for AdamW/Adam/SGD unless the caller picked an
     implementation (``fused``/``foreach``): same maths as torch's default foreach path, one
-    launch per tensor list instead of several, and what torch DDP users run."""
+    launch per tensor list instead of several, and what torch DDP users run. The one decision
+    for the elementwise optimizer alone and for the AdamW next to a whole-matrix one."""
     if "fused" in optimizer_kwargs or "foreach" in optimizer_kwargs:
         return False
     if opt_class not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
         return False
     return any(p.is_cuda for p in model.parameters())
+
+
+def plan_request(
+    model: nn.Module,
+    *,
+    optimizer: str | type[torch.optim.Optimizer] = "adamw",
+    sharding: str = "none",
+    dp_size: int = 1,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+    wgrad: str | None = None,
+    grad_dtype: torch.dtype | None = None,
+    start_alignment: int = DEFAULT_START_ALIGNMENT,
+    muon_filter: MuonFilter | None = None,
+) -> tuple[PlanRequest, Routing | None]:
+    """The plan :func:`parallelize` asks for, and the routing of a whole-matrix optimizer.
+
+    Pure in the model's shapes (a model on the meta device will do): the trainable params,
+    the sharding's modes (whole-matrix params layerwise under zero1), the wgrad recipe's and
+    fused modules' requirements and the whole-matrix optimizer's owner cost.
+    """
+    found = resolve_optimizer(optimizer)
+    spec = found if isinstance(found, WholeMatrixSpec) else None
+    routing = None
+    if spec is not None:
+        routing = route_params(model, muon_filter=muon_filter or spec.select)
+    specs = tuple(ParamSpec.from_named_parameters(model.named_parameters()))
+    requirements = list(_wgrad_requirements(wgrad))
+    requirements += [r for _, m in fused_wgrad_modules(model) for r in m.wgrad_requirements()]
+    whole = routing.muon if routing is not None else ()
+    request = PlanRequest(
+        specs=specs,
+        dp_size=dp_size,
+        modes=modes_for_sharding(sharding, [s.name for s in specs], whole=whole),
+        requirements=tuple(dict.fromkeys(requirements)),
+        bucket_numel=bucket_numel,
+        start_alignment=start_alignment,
+        grad_dtype=grad_dtype,
+        owner_cost=spec.cost if spec is not None else numel_cost,
+    )
+    return request, routing
 
 
 def parallelize(
@@ -47,7 +95,7 @@ def parallelize(
     sharding: str = "none",
     lr: float | None = None,
     process_group: dist.ProcessGroup | None = None,
-    bucket_numel: int | None = None,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     wgrad: str | None = None,
     grad_dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
@@ -58,22 +106,26 @@ def parallelize(
     broadcast_buffers: bool = True,
     overlap_param_gather: bool = False,
     param_groups: ParamGroupsArg = None,
+    collectives: str = "torch",
     **optimizer_kwargs,
 ) -> tuple[DataParallel, DataParallelOptimizer]:
     """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
 
     Args:
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, a torch optimizer class, or
+            a registered whole-matrix optimizer (aligndp/optim/registry.py) such as
             ``"muon"``: ``torch.optim.Muon`` on the hidden 2-D matrices, ``torch.optim.AdamW``
             on the rest (aligndp/plan/routing.py; ``muon_filter=`` overrides). ``lr`` goes to both;
             other kwargs go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay,
             ...) and ``adamw_<x>`` ones to AdamW (adamw_lr, adamw_betas, adamw_weight_decay,
             ...). With ``sharding="zero1"`` each matrix is stepped whole by one owner rank
-            (layer-wise buffers) and AdamW is ZeRO-1.
+            (layer-wise buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1.
         sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
         lr: learning rate; None keeps the torch optimizer's default.
-        bucket_numel: elements per bucket; None uses :class:`DDPConfig`'s default (40 M).
-        wgrad: ``"fp8"``/``"mxfp8"`` declares that fused wgrad kernels write into the
+        bucket_numel: elements per bucket (default 40 M, as everywhere); None: one bucket per
+            buffer.
+        wgrad: a registered wgrad recipe (``aligndp.lowp.recipe_names()``: ``"none"``,
+            ``"fp8"``, ``"mxfp8"``, ...) declares that its fused wgrad kernels write into the
             gradient buffers, so every buffer of every mode is planned for them.
         grad_dtype: gradient buffer dtype (None: each param's dtype).
         max_grad_norm: clip the global gradient 2-norm to this (None: no clipping).
@@ -90,6 +142,7 @@ def parallelize(
             AdamW params.
         overlap_param_gather: zero1: all-gather updated params during the next forward
             (each module waits for its own buckets) instead of at the end of ``step()``.
+        collectives: the registered collectives backend (:class:`DDPConfig`'s ``collectives``).
         optimizer_kwargs: passed to the torch optimizer (torch's defaults otherwise; on CUDA
             AdamW/Adam/SGD get ``fused=True`` unless ``fused`` or ``foreach`` is given).
 
@@ -97,69 +150,96 @@ def parallelize(
     ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module.
     """
     check_parallelize_inputs(model, optimizer)
-    if sharding not in SHARDINGS:
-        raise ValueError(f"unknown sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    requirements = _wgrad_requirements(wgrad)
-    config_kwargs = dict(
+    check_max_grad_norm(max_grad_norm)
+    found = resolve_optimizer(optimizer)
+    spec = found if isinstance(found, WholeMatrixSpec) else None
+    muon_filter = optimizer_kwargs.pop("muon_filter", None) if spec is not None else None
+    if lr is not None:
+        optimizer_kwargs["lr"] = lr
+    if spec is None:
+        if _use_fused_kernels(model, found, optimizer_kwargs):
+            optimizer_kwargs["fused"] = True
+        if sharding == "zero1":
+            check_elementwise(found, optimizer_kwargs)  # before wrapping: refuse early
+    else:
+        whole_kwargs, adamw_kwargs = split_kwargs(spec, str(optimizer), optimizer_kwargs)
+        if _use_fused_kernels(model, torch.optim.AdamW, adamw_kwargs):
+            adamw_kwargs["fused"] = True
+    request, routing = plan_request(
+        model,
+        optimizer=optimizer,
+        sharding=sharding,
+        dp_size=dist.get_world_size(process_group) if dist.is_initialized() else 1,
+        bucket_numel=bucket_numel,
+        wgrad=wgrad,
+        grad_dtype=grad_dtype,
+        start_alignment=start_alignment,
+        muon_filter=muon_filter,
+    )
+    config = DDPConfig(
         overlap=overlap,
+        bucket_numel=bucket_numel,
         grad_dtype=grad_dtype,
         start_alignment=start_alignment,
         check_finite=check_finite,
         on_nonfinite=on_nonfinite,
         broadcast_buffers=broadcast_buffers,
+        collectives=collectives,
     )
-    if bucket_numel is not None:
-        config_kwargs["bucket_numel"] = bucket_numel
-    config = DDPConfig(**config_kwargs)
-    if lr is not None:
-        optimizer_kwargs["lr"] = lr
-
     groups = resolve_param_groups(model, param_groups)
-    cuda = any(p.is_cuda for p in model.parameters())
-    if isinstance(optimizer, str) and optimizer.lower() == "muon":
-        from aligndp.optim.layerwise import parallelize_muon  # routing: aligndp/plan/routing.py
-
-        return parallelize_muon(
-            model,
-            sharding=sharding,
-            process_group=process_group,
-            config=config,
-            requirements=requirements,
-            max_grad_norm=max_grad_norm,
-            groups=groups,
-            overlap_param_gather=overlap_param_gather,
-            adamw_fused=cuda and not ({"adamw_fused", "adamw_foreach"} & set(optimizer_kwargs)),
+    ddp = DataParallel(model, process_group=process_group, config=config, plan=request)
+    gather = {"max_grad_norm": max_grad_norm, "overlap_param_gather": overlap_param_gather}
+    if spec is None and sharding == "zero1":
+        return ddp, ShardedOptimizer(ddp, found, groups=groups, **gather, **optimizer_kwargs)
+    if spec is None:
+        named = dict(model.named_parameters())
+        inner = found(
+            [{"params": [named[n] for n in g.names], **g.options} for g in groups],
             **optimizer_kwargs,
         )
-    opt_class = resolve_optimizer_class(optimizer)
-    if _use_fused_kernels(model, opt_class, optimizer_kwargs):
-        optimizer_kwargs["fused"] = True
-    if sharding == "zero1":
-        from aligndp.optim.sharded import ShardedOptimizer, check_elementwise
-        from aligndp.plan.layout import Mode
+        parts = [ReplicatedPart(ddp, inner, elementwise_state=True)]
+    else:
+        zero1 = sharding == "zero1"
+        parts = _whole_matrix_parts(ddp, spec, routing, groups, zero1, whole_kwargs, adamw_kwargs)
+    return ddp, CompositeOptimizer(ddp, parts, routing=routing, **gather)
 
-        check_elementwise(opt_class, optimizer_kwargs)  # before wrapping: refuse early
-        modes = {n: Mode.SHARDED for g in groups for n in g.names}
-        ddp = DataParallel(
-            model,
-            process_group=process_group,
-            config=config,
-            modes=modes,
-            requirements=requirements,
+
+def _whole_matrix_parts(
+    ddp: DataParallel,
+    spec: WholeMatrixSpec,
+    routing: Routing,
+    groups: list[ParamGroup],
+    zero1: bool,
+    whole_kwargs: dict,
+    adamw_kwargs: dict,
+) -> list[OptimizerPart]:
+    """The whole-matrix part and the AdamW part; each of ``groups`` is cut into its
+    whole-matrix and its AdamW params, with the same options."""
+    named = dict(ddp.module.named_parameters())
+
+    def cut(names: tuple[str, ...]) -> list[ParamGroup]:
+        cut_groups = [
+            ParamGroup(tuple(n for n in g.names if n in names), g.options) for g in groups
+        ]
+        return [g for g in cut_groups if g.names]
+
+    parts: list[OptimizerPart] = []
+    if routing.muon and zero1:
+        whole = [(n, named[n]) for n in routing.muon]
+        parts.append(
+            WholeMatrixPart(ddp, whole, spec, groups=cut(routing.muon), options=whole_kwargs)
         )
-        return ddp, ShardedOptimizer(
-            ddp,
-            opt_class,
-            groups=groups,
-            max_grad_norm=max_grad_norm,
-            overlap_param_gather=overlap_param_gather,
-            **optimizer_kwargs,
+    elif routing.muon:
+        tensors = {n: named[n] for n in routing.muon}
+        inner = spec.optimizer_class(torch_groups(cut(routing.muon), tensors), **whole_kwargs)
+        parts.append(ReplicatedPart(ddp, inner, elementwise_state=False))
+    if routing.adamw and zero1:
+        sharded = ddp.buffers_for(Mode.SHARDED)
+        parts.append(
+            ShardedPart(ddp, sharded, torch.optim.AdamW, groups=cut(routing.adamw), **adamw_kwargs)
         )
-    ddp = DataParallel(model, process_group=process_group, config=config, requirements=requirements)
-    named = dict(model.named_parameters())
-    inner = opt_class(
-        [{"params": [named[n] for n in g.names], **g.options} for g in groups], **optimizer_kwargs
-    )
-    return ddp, CompositeOptimizer(ddp, [ReplicatedPart(ddp, inner)], max_grad_norm=max_grad_norm)
+    elif routing.adamw:
+        tensors = {n: named[n] for n in routing.adamw}
+        inner = torch.optim.AdamW(torch_groups(cut(routing.adamw), tensors), **adamw_kwargs)
+        parts.append(ReplicatedPart(ddp, inner, elementwise_state=True))
+    return parts

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from aligndp.optim.registry import known_optimizers
+
 __all__ = ["check_parallelize_inputs"]
 
 
@@ -39,14 +41,16 @@ def check_parallelize_inputs(model: object, optimizer: object) -> None:
         }
         kwargs = ", ".join(f"{k}={v!r}" for k, v in settings.items())
         raise TypeError(
-            f"optimizer= takes a name or an optimizer class, got an instance of {type(optimizer).__name__}: aligndp "
-            f"builds the optimizer over its own buffers. Pass optimizer=torch.optim.{type(optimizer).__name__} "
+            "optimizer= takes a name or an optimizer class, got an instance of "
+            f"{type(optimizer).__name__}: aligndp "
+            "builds the optimizer over its own buffers. Pass "
+            f"optimizer=torch.optim.{type(optimizer).__name__} "
             f"and its settings as keywords ({kwargs})"
         )
     if not isinstance(optimizer, str) and not (
         isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
     ):
         raise TypeError(
-            f"optimizer= takes a name (adamw, adam, sgd, muon) or a torch.optim.Optimizer class, "
-            f"got {_describe(optimizer)}"
+            f"optimizer= takes a name ({', '.join(known_optimizers())}) or a "
+            f"torch.optim.Optimizer class, got {_describe(optimizer)}"
         )

@@ -1,4 +1,5 @@
-"""Token data for ``aligndp train``: an embedded synthetic language, text files, token ``.bin`` files.
+"""Token data for ``aligndp train``: an embedded synthetic language, text files, token
+``.bin`` files.
 
 [Note: batches are functions of (seed, step)]
 Every global batch is drawn from ``(seed, split, step)`` alone: the row offsets come from a
@@ -148,7 +149,8 @@ class TokenData:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> TokenData:
-        """A nanoGPT-style ``.bin`` file (uint16 token ids, memory-mapped) or any other file as bytes.
+        """A nanoGPT-style ``.bin`` file (uint16 token ids, memory-mapped) or any other file as
+        bytes.
 
         Text files are byte-level (vocab 256); ``.bin`` files report vocab 65536 until
         :meth:`check_vocab` compares their largest token id with the model's vocabulary.
@@ -177,15 +179,16 @@ class TokenData:
         return cls(np.frombuffer(data, dtype=np.uint8), vocab_size=256, name=path)
 
     def check(self, *, seq_len: int, vocab_size: int) -> None:
-        """Raise a ValueError unless every split holds one sequence and the token ids fit ``vocab_size``
-        (the first :data:`VOCAB_SCAN_TOKENS` now, every batch's rows as they are read)."""
+        """Raise a ValueError unless every split holds one sequence and the token ids fit
+        ``vocab_size`` (the first :data:`VOCAB_SCAN_TOKENS` now, every batch's rows as they are
+        read)."""
         for split, tokens in self.splits.items():
             if len(tokens) < seq_len + 1:
                 need = 10 * (seq_len + 1)  # the eval split is the last 10%
                 raise ValueError(
-                    f"{self.name}: the {split} split has {len(tokens)} tokens but one sequence needs "
-                    f"seq_len + 1 = {seq_len + 1}; the file holds {len(self)} tokens, use one of at "
-                    f"least {need} tokens (the eval split is the last 10%)"
+                    f"{self.name}: the {split} split has {len(tokens)} tokens but one sequence "
+                    f"needs seq_len + 1 = {seq_len + 1}; the file holds {len(self)} tokens, use "
+                    f"one of at least {need} tokens (the eval split is the last 10%)"
                 )
         # a whole scan of a multi-GB .bin file would take minutes on every rank: scan the head,
         # and let every batch check its own rows (see batch())
@@ -196,19 +199,24 @@ class TokenData:
     def _check_ids(self, largest: int, vocab_size: int) -> None:
         if largest >= vocab_size:
             raise ValueError(
-                f"{self.name}: token id {largest} does not fit the model's vocab_size={vocab_size}; "
-                "pick a preset whose vocabulary covers the data (e.g. --preset gpt2-small for GPT-2 tokens)"
+                f"{self.name}: token id {largest} does not fit the model's "
+                f"vocab_size={vocab_size}; pick a preset whose vocabulary covers the data "
+                "(e.g. --preset gpt2-small for GPT-2 tokens)"
             )
 
     def offsets(
         self, step: int, *, batch_size: int, seq_len: int, seed: int, split: Split = "train"
     ) -> torch.Tensor:
-        """Start offsets of the ``batch_size`` rows of global batch ``step``. See [Note: batches are functions of (seed, step)]."""
+        """Start offsets of the ``batch_size`` rows of global batch ``step``.
+
+        See [Note: batches are functions of (seed, step)].
+        """
         tokens = self.splits[split]
         high = len(tokens) - seq_len  # a row reads seq_len + 1 tokens
         if high < 1:
             raise ValueError(
-                f"{self.name}: the {split} split has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+                f"{self.name}: the {split} split has {len(tokens)} tokens, fewer than "
+                f"seq_len + 1 = {seq_len + 1}"
             )
         gen = torch.Generator().manual_seed(_step_seed(seed, split, step))
         return torch.randint(0, high, (batch_size,), generator=gen)

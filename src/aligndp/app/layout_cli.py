@@ -6,10 +6,12 @@ costs and where each param lands before a run, e.g.::
 
     python -m aligndp layout --preset 1b --dp 8 --mode layerwise --wgrad mxfp8 --png layout.png
 
-``--optimizer muon`` plans what ``parallelize(optimizer="muon", ...)`` builds: with
-``--mode layerwise`` (that is ``sharding="zero1"``) the Muon matrices go to a layer-wise
-buffer and everything else to a ZeRO-1 sharded buffer, through the same
-:func:`~aligndp.plan.layout.plan_buffers` the data-parallel wrapper calls.
+[Note: one plan request] (aligndp/plan/request.py): the command builds its request with
+:func:`aligndp.parallelize.plan_request`, the function ``parallelize()`` builds the run's
+with, and plans it with the same :func:`~aligndp.plan.request.plan_buffers` the
+data-parallel wrapper calls. ``--optimizer muon`` (any registered whole-matrix optimizer)
+with ``--mode layerwise`` (that is ``sharding="zero1"``) puts its matrices in a layer-wise
+buffer, owners balanced by its cost, and everything else in a ZeRO-1 sharded buffer.
 """
 
 from __future__ import annotations
@@ -20,21 +22,34 @@ import json
 import os
 
 import torch
+import torch.nn as nn
 
-from aligndp.lowp.recipes import WGRAD_RECIPES, wgrad_requirements
+from aligndp.lowp.recipes import recipe_names
+from aligndp.optim.registry import known_optimizers, whole_matrix_spec
+from aligndp.parallelize import plan_request
 from aligndp.plan.layout import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_START_ALIGNMENT,
     BufferLayout,
     Mode,
     ParamSpec,
-    plan_buffers,
+    padding_totals,
 )
+from aligndp.plan.request import PlanRequest, plan_buffers
+from aligndp.plan.spec import check_bucket_numel, max_over_mean
 
-__all__ = ["add_arguments", "run", "preset_model", "preset_specs", "parse_shapes", "LayoutOptions"]
+__all__ = [
+    "add_arguments",
+    "run",
+    "preset_model",
+    "preset_specs",
+    "parse_shapes",
+    "shapes_model",
+    "LayoutOptions",
+]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", *(n for n in known_optimizers() if whole_matrix_spec(n) is not None))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,13 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default="adamw",
-        help="muon: route hidden matrices to Muon as parallelize() does; with --mode layerwise "
-        "they get the layer-wise buffer and the rest a sharded one (default adamw: every "
-        "param in --mode)",
+        help="muon (a whole-matrix optimizer): route hidden matrices to it as parallelize() "
+        "does; with --mode layerwise they get the layer-wise buffer and the rest a sharded one "
+        "(default adamw: every param in --mode)",
     )
     parser.add_argument(
         "--wgrad",
-        choices=WGRAD_RECIPES,
+        choices=recipe_names(),
         default="none",
         help="fused wgrad recipe whose alignment requirement the layout must meet (default none)",
     )
@@ -100,54 +115,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class LayoutOptions:
     """Everything ``aligndp layout`` plans from; checked in ``__post_init__``."""
 
-    specs: tuple[ParamSpec, ...]
-    """Trainable params in registration order (dtype already set to the param dtype)."""
+    model: nn.Module
+    """The params to plan, on the meta device (a preset or ``--shapes``), in the param dtype."""
     dp_size: int = 1
     """Data-parallel ranks the buffers are sharded over."""
     mode: Mode = Mode.REPLICATED
-    """Reduction/ownership mode of every buffer."""
+    """replicated: ``sharding="none"``; sharded / layerwise: ``sharding="zero1"`` (layerwise
+    without a whole-matrix optimizer: every param in a layer-wise buffer)."""
+    optimizer: str = "adamw"
+    """``adamw`` or a registered whole-matrix optimizer (``muon``), as ``parallelize`` takes."""
     wgrad: str = "none"
     """Wgrad recipe (see :func:`aligndp.lowp.recipes.wgrad_requirements`)."""
-    bucket_numel: int | None = None
-    """Elements per bucket; None: one bucket."""
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    """Elements per bucket, as parallelize(bucket_numel=); None: one bucket."""
     grad_dtype: torch.dtype | None = None
     """Grad buffer dtype; None: each buffer's param dtype."""
     start_alignment: int = DEFAULT_START_ALIGNMENT
     """Requested param start alignment (elements); the planner raises it to every requirement's."""
-    muon: tuple[str, ...] | None = None
-    """Names routed to Muon (``--optimizer muon``); None: no routing, every param in ``mode``."""
 
     def __post_init__(self) -> None:
-        if self.muon is not None and self.mode is Mode.SHARDED:
+        whole = whole_matrix_spec(self.optimizer) is not None
+        if whole and self.mode is Mode.SHARDED:
             raise ValueError(
-                "Muon steps whole matrices, which ZeRO-1's slices cut apart: use --mode layerwise "
-                "(sharding='zero1' with Muon) or --mode replicated (sharding='none')"
+                f"{self.optimizer} steps whole matrices, which ZeRO-1's slices cut apart: use "
+                "--mode layerwise (sharding='zero1') or --mode replicated (sharding='none')"
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
-        if self.bucket_numel is not None and self.bucket_numel <= 0:
-            raise ValueError(
-                f"--bucket-numel must be > 0, got {self.bucket_numel}; leave it out for "
-                f"parallelize()'s default of {DEFAULT_BUCKET_NUMEL:,} elements"
-            )
+        check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
 
-    def modes(self) -> dict[str, Mode]:
-        """Per-param modes as parallelize() assigns them (empty: every param in ``mode``)."""
-        if self.muon is None or self.mode is not Mode.LAYERWISE:
-            return {}
-        return {s.name: Mode.LAYERWISE if s.name in self.muon else Mode.SHARDED for s in self.specs}
-
-    def plan(self) -> list[BufferLayout]:
-        return plan_buffers(
-            self.specs,
-            mode=self.mode,
-            modes=self.modes(),
+    def request(self) -> PlanRequest:
+        """The request ``parallelize`` builds for these settings (one function makes both)."""
+        request, _ = plan_request(
+            self.model,
+            optimizer=self.optimizer,
+            sharding="none" if self.mode is Mode.REPLICATED else "zero1",
             dp_size=self.dp_size,
             bucket_numel=self.bucket_numel,
-            requirements=wgrad_requirements(self.wgrad),
-            start_alignment=self.start_alignment,
+            wgrad=self.wgrad,
             grad_dtype=self.grad_dtype,
+            start_alignment=self.start_alignment,
         )
+        if self.mode is Mode.LAYERWISE and whole_matrix_spec(self.optimizer) is None:
+            request = dataclasses.replace(request, mode=Mode.LAYERWISE, modes={})
+        return request
+
+    def plan(self) -> list[BufferLayout]:
+        return plan_buffers(self.request())
 
 
 def preset_model(name: str) -> torch.nn.Module:
@@ -180,11 +194,22 @@ def parse_shapes(text: str, *, dtype: torch.dtype = torch.float32) -> list[Param
         dims = item.strip().split("x")
         if not item.strip() or not all(d.strip().isdigit() for d in dims):
             raise ValueError(
-                f"--shapes item {i} is {item.strip()!r}, not a shape: write positive integers joined by 'x', "
+                f"--shapes item {i} is {item.strip()!r}, not a shape: write positive integers "
+                "joined by 'x', "
                 "e.g. --shapes 768x2304,2304"
             )
         specs.append(ParamSpec(f"p{i}", tuple(int(d) for d in dims), dtype))
     return specs
+
+
+def shapes_model(specs: list[ParamSpec]) -> nn.Module:
+    """A module on the meta device holding one param per spec (``p0``, ``p1``, ...), in order:
+    bare shapes carry no module types, so every 2-D one routes as a hidden matrix."""
+    model = nn.Module()
+    for s in specs:
+        param = nn.Parameter(torch.empty(s.shape, dtype=s.dtype, device="meta"))
+        model.register_parameter(s.name, param)
+    return model
 
 
 def _options(args: argparse.Namespace) -> LayoutOptions:
@@ -194,50 +219,25 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
             f"give exactly one of --preset or --shapes ({given} given), e.g. --preset gpt2-small"
         )
     dtype = DTYPES[args.dtype]
-    specs = (
-        preset_specs(args.preset, dtype=dtype)
-        if args.preset
-        else parse_shapes(args.shapes, dtype=dtype)
-    )
-    muon = None
-    if args.optimizer == "muon":
-        if args.preset:
-            from aligndp.plan.routing import route_params
-
-            muon = route_params(preset_model(args.preset)).muon
-        else:  # bare shapes carry no module types: every 2-D shape is a hidden matrix
-            muon = tuple(s.name for s in specs if len(s.shape) == 2)
+    if args.preset:
+        model = preset_model(args.preset).to(dtype)
+    else:
+        model = shapes_model(parse_shapes(args.shapes, dtype=dtype))
     return LayoutOptions(
-        specs=tuple(specs),
+        model=model,
         dp_size=args.dp,
         mode=Mode.parse(args.mode),
+        optimizer=args.optimizer,
         wgrad=args.wgrad,
         bucket_numel=args.bucket_numel,
         grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None,
         start_alignment=args.start_alignment,
-        muon=muon,
     )
 
 
-def rank_numels(layout: BufferLayout) -> list[int]:
-    """Real elements each rank owns: its shard of every bucket intersected with params."""
-    owned = [0] * layout.dp_size
-    for b in layout.buckets:
-        for rank in range(layout.dp_size):
-            lo, hi = layout.shard_range(b.index, rank)
-            owned[rank] += sum(
-                max(0, min(hi, p.end) - max(lo, p.start)) for p in layout.params_in_bucket(b.index)
-            )
-    return owned
-
-
-def _max_over_mean(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean > 0 else 1.0
-
-
 def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
-    """Lines under the table: alignment (and who raised it) and, in layerwise mode, per-rank load."""
+    """Lines under the table: alignment (and who raised it) and, in layerwise mode, per-rank
+    load."""
     lines = []
     if layout.start_alignment != asked_alignment:
         itemsizes = {layout.grad_dtype.itemsize, layout.param_dtype.itemsize}
@@ -247,16 +247,17 @@ def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
             if max(r.start_alignment(i) for i in itemsizes) > asked_alignment
         ]
         lines.append(
-            f"  start alignment: asked {asked_alignment}, effective {layout.start_alignment} elements"
-            f" (raised by {', '.join(raisers) or 'the requirements'})"
+            f"  start alignment: asked {asked_alignment}, effective {layout.start_alignment} "
+            f"elements (raised by {', '.join(raisers) or 'the requirements'})"
         )
     if layout.mode is Mode.LAYERWISE:
-        costs, numels = layout.rank_costs(), rank_numels(layout)
-        lines.append(f"  {'rank':>4}  {'Newton–Schulz cost':>18}  {'owned numel':>14}")
+        costs, numels = layout.rank_costs(), layout.rank_numels()
+        lines.append(f"  {'rank':>4}  {'owner cost':>18}  {'owned numel':>14}")
         for rank, (cost, numel) in enumerate(zip(costs, numels)):
             lines.append(f"  {rank:>4}  {cost:>18.4g}  {numel:>14,}")
         lines.append(
-            f"  imbalance (max/mean): cost {_max_over_mean(costs):.4f}, numel {_max_over_mean(numels):.4f}"
+            f"  imbalance (max/mean): cost {max_over_mean(costs):.4f}, "
+            f"numel {max_over_mean(numels):.4f}"
         )
     return "\n".join(lines)
 
@@ -266,7 +267,8 @@ def _png_path(path: str) -> str:
     before planning so that a bad path is one line, not a traceback after the work."""
     if os.path.isdir(path):
         raise ValueError(
-            f"--png {path} is a directory; give a file name, e.g. --png {os.path.join(path, 'layout.png')}"
+            f"--png {path} is a directory; give a file name, e.g. --png "
+            f"{os.path.join(path, 'layout.png')}"
         )
     if not os.path.splitext(path)[1]:
         path += ".png"
@@ -288,12 +290,12 @@ def run(args: argparse.Namespace) -> int:
             extra = summary(layout, asked_alignment=options.start_alignment)
             if extra:
                 print(extra)
-        real = sum(layout.numel for layout in layouts)
-        padded = sum(layout.padded_numel for layout in layouts)
+        real, padded = padding_totals(layouts)
         percent = 100 * (padded - real) / padded if padded else 0.0
         print(
-            f"total: {real:,} real + {padded - real:,} padding = {padded:,} elements ({percent:.3f}% padding) "
-            f"in {len(layouts)} buffer(s), {sum(len(layout.buckets) for layout in layouts)} bucket(s)"
+            f"total: {real:,} real + {padded - real:,} padding = {padded:,} elements "
+            f"({percent:.3f}% padding) in {len(layouts)} buffer(s), "
+            f"{sum(len(layout.buckets) for layout in layouts)} bucket(s)"
         )
     if args.png:
         from aligndp.app.plot import draw_layout

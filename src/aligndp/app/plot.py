@@ -26,9 +26,9 @@ def _short_name(name: str, *, parts: int = 2) -> str:
 def _title(layout: BufferLayout) -> str:
     dtype = str(layout.grad_dtype).removeprefix("torch.")
     title = (
-        f"{layout.mode.value} buffer, {dtype} grads, dp_size={layout.dp_size}: {layout.numel:,} real "
-        f"+ {layout.padding_numel:,} padding elements ({100 * layout.padding_fraction:.2f}% padding), "
-        f"{len(layout.buckets)} bucket(s)"
+        f"{layout.mode.value} buffer, {dtype} grads, dp_size={layout.dp_size}: "
+        f"{layout.numel:,} real + {layout.padding_numel:,} padding elements "
+        f"({100 * layout.padding_fraction:.2f}% padding), {len(layout.buckets)} bucket(s)"
     )
     if layout.mode is Mode.LAYERWISE:
         title += f", Newton–Schulz imbalance {layout.imbalance:.3f}"
@@ -90,29 +90,29 @@ def _draw_one(ax, layout: BufferLayout, cmap) -> list:
 
 
 def draw_layout(layouts: Sequence[BufferLayout] | BufferLayout, path: str) -> None:
-    """Write a PNG of ``layouts`` (one bar each) to ``path``; Agg backend, no display needed."""
-    import matplotlib
+    """Write a PNG of ``layouts`` (one bar each) to ``path``; no display needed.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Draws on a bare :class:`matplotlib.figure.Figure` (its own Agg canvas), so the process's
+    pyplot backend and figure registry are left as the caller set them.
+    """
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     if isinstance(layouts, BufferLayout):
         layouts = [layouts]
     if not layouts:
         raise ValueError("draw_layout needs at least one layout; plan one with plan_layout()")
-    cmap = plt.get_cmap("tab10" if max(layout.dp_size for layout in layouts) <= 10 else "tab20")
-    fig, axes = plt.subplots(len(layouts), 1, figsize=(14, 1.9 * len(layouts) + 0.4), squeeze=False)
-    try:
-        for ax, layout in zip(axes[:, 0], layouts):
-            handles = _draw_one(ax, layout, cmap)
-            ax.legend(
-                handles=handles,
-                loc="upper left",
-                bbox_to_anchor=(1.005, 1.0),
-                fontsize=7,
-                frameon=False,
-            )
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
+    cmap = colormaps["tab10" if max(layout.dp_size for layout in layouts) <= 10 else "tab20"]
+    fig = Figure(figsize=(14, 1.9 * len(layouts) + 0.4))
+    axes = fig.subplots(len(layouts), 1, squeeze=False)
+    for ax, layout in zip(axes[:, 0], layouts):
+        handles = _draw_one(ax, layout, cmap)
+        ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=7,
+            frameon=False,
+        )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -59,8 +59,8 @@ def _read_run(directory: str) -> dict | None:
         run = None
     if not isinstance(run, dict) or not isinstance(run.get("config"), dict) or "run_id" not in run:
         raise ValueError(
-            f"{path} is damaged (not the JSON aligndp train writes); delete it, or pass --overwrite "
-            "to start a fresh run there"
+            f"{path} is damaged (not the JSON aligndp train writes); delete it, or pass "
+            "--overwrite to start a fresh run there"
         )
     return run
 
@@ -119,9 +119,9 @@ def check_run_dirs(config) -> None:
         ]
         if differ:
             raise ValueError(
-                f"--resume: {directory} holds run {run['run_id']} with other options ({'; '.join(differ)}); "
-                "resume with the options it was started with, or start a fresh run with --overwrite "
-                "or another --out"
+                f"--resume: {directory} holds run {run['run_id']} with other options "
+                f"({'; '.join(differ)}); resume with the options it was started with, or start a "
+                "fresh run with --overwrite or another --out"
             )
 
 
@@ -146,7 +146,7 @@ def write_run_files(config, directories: list[str]) -> str:
 
 def clear_outputs(directory: str) -> None:
     """``--overwrite``: delete what aligndp train writes in ``directory``, nothing else."""
-    from aligndp.state.checkpoint import _is_checkpoint_dir
+    from aligndp.state.checkpoint_files import is_checkpoint_dir as _is_checkpoint_dir
 
     if not os.path.isdir(directory):
         return
@@ -208,8 +208,8 @@ class RunLock:
         holder = self._holder()
         who = f"pid {holder[0]} on {holder[1]}" if holder else "another process"
         return (
-            f"another aligndp train ({who}) is writing to {self.directory} ({self.path} exists); wait for it "
-            f"to finish or use another --out; if that run is gone, delete {self.path}"
+            f"another aligndp train ({who}) is writing to {self.directory} ({self.path} exists); "
+            f"wait for it to finish or use another --out; if that run is gone, delete {self.path}"
         )
 
     def release(self) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import aligndp
 from aligndp.app.data import BatchSpec, TokenData
-from aligndp.app.train import TrainConfig
+from aligndp.app.train_config import TrainConfig
 from aligndp.app.train_report import (
     MetricsLog,
     Progress,
@@ -90,17 +90,25 @@ def _set_lr(optimizer, peak_lrs: list[float], factor: float) -> None:
         group["lr"] = peak * factor
 
 
-def wgrad_backend(config: TrainConfig) -> str:
-    """The MX GEMM backend of ``--wgrad``: mxfp8 runs the reference backend (quantise,
-    dequantise, fp32 matmul) on CPU and Triton kernels on CUDA; fp8 exists on CUDA only."""
-    if config.wgrad == "fp8" and config.device != "cuda":
+def wgrad_backend(config: TrainConfig) -> str | None:
+    """The GEMM backend that runs ``--wgrad`` on ``--device``: the registered recipe's default
+    there (mxfp8: the reference backend on CPU, Triton kernels on CUDA); None for a recipe
+    that converts no layer (``none``)."""
+    from aligndp.lowp.recipes import get_recipe, recipe_names
+
+    recipe = get_recipe(config.wgrad)
+    if not recipe.backends:
+        return None
+    backend = recipe.default_backend(config.device)
+    if backend is None:
+        devices = sorted({d for b in recipe.backends for d in b.devices})
+        others = [n for n in recipe_names() if get_recipe(n).default_backend(config.device)]
+        instead = f", or --wgrad {' or '.join(others)} (which runs on {config.device})"
         raise ValueError(
-            "--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda, "
-            "or --wgrad mxfp8 (which has a CPU reference backend)"
+            f"--wgrad {recipe.name} runs {recipe.runs}; use --device {' or '.join(devices)}"
+            + (instead if others else "")
         )
-    return {"mxfp8": "triton" if config.device == "cuda" else "reference", "fp8": "fp8"}[
-        config.wgrad
-    ]
+    return backend.name
 
 
 def _device(config: TrainConfig) -> torch.device:
@@ -182,16 +190,17 @@ def _setup(config: TrainConfig) -> _Job:
     spec = BatchSpec(config.batch_size, model_cfg.seq_len, dp_size, config.micro_batches)
     torch.manual_seed(config.seed)
     module = GPT(model_cfg).to(device)
-    if config.wgrad != "none":
+    backend = wgrad_backend(config)
+    if backend is not None:
         from aligndp.lowp import convert_to_mxfp8
 
-        convert_to_mxfp8(module, backend=wgrad_backend(config))
+        convert_to_mxfp8(module, backend=backend)
     model, optimizer = aligndp.parallelize(
         module,
         optimizer=config.optimizer,
         sharding=config.sharding,
         lr=config.lr,
-        wgrad=None if config.wgrad == "none" else config.wgrad,
+        wgrad=config.wgrad,
     )
     peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
     return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
@@ -319,10 +328,10 @@ def _print_header(job: _Job, start_step: int) -> None:
     backend = dist.get_backend()
     resumed = f", resuming at step {start_step}" if start_step else ""
     print(
-        f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} rank(s), "
-        f"{config.optimizer}, sharding {config.sharding}; global batch {config.batch_size} x {cfg.seq_len} tokens "
-        f"in {config.micro_batches} micro-batch(es); data: {job.data.name} ({len(job.data):,} tokens); "
-        f"{config.steps} steps{resumed}",
+        f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} "
+        f"rank(s), {config.optimizer}, sharding {config.sharding}; global batch "
+        f"{config.batch_size} x {cfg.seq_len} tokens in {config.micro_batches} micro-batch(es); "
+        f"data: {job.data.name} ({len(job.data):,} tokens); {config.steps} steps{resumed}",
         flush=True,
     )
 

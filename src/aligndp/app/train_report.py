@@ -150,15 +150,24 @@ class Summary:
             100 * self.padding_numel / self.padded_numel if self.padded_numel else float("nan")
         )
         if self.start_step < self.steps:
-            trained = f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s) in {self.wall_s:.1f} s"
+            trained = (
+                f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s) "
+                f"in {self.wall_s:.1f} s"
+            )
         else:
-            trained = f"nothing left to train: resumed at step {self.start_step} of {self.steps} (raise --steps to go on)"
+            trained = (
+                f"nothing left to train: resumed at step {self.start_step} of {self.steps} "
+                "(raise --steps to go on)"
+            )
         return [
             trained,
-            f"loss {self.first_loss:.4f} -> {self.train_loss:.4f} (train), eval {self.eval_loss:.4f}"
-            f" (a uniform guess over {self.vocab_size:,} tokens: {math.log(self.vocab_size):.4f})",
-            f"throughput {self.tokens_per_s:,.0f} tokens/s, peak memory {self.peak_memory_bytes / 2**20:,.1f} MiB per rank",
-            f"grad buffers: {self.padding_numel:,} padding elements of {self.padded_numel:,} ({padding:.2f}%)",
+            f"loss {self.first_loss:.4f} -> {self.train_loss:.4f} (train), "
+            f"eval {self.eval_loss:.4f} (a uniform guess over {self.vocab_size:,} tokens: "
+            f"{math.log(self.vocab_size):.4f})",
+            f"throughput {self.tokens_per_s:,.0f} tokens/s, "
+            f"peak memory {self.peak_memory_bytes / 2**20:,.1f} MiB per rank",
+            f"grad buffers: {self.padding_numel:,} padding elements of {self.padded_numel:,} "
+            f"({padding:.2f}%)",
             "replicas in sync: "
             + (
                 "yes (identical param hashes on every rank)"
@@ -169,12 +178,11 @@ class Summary:
 
 
 def plot_loss(records: list[dict], path: str) -> None:
-    import matplotlib
+    """Train and eval loss against step, as a PNG (a bare Figure: pyplot's state is untouched)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.plot(
         [r["step"] for r in records],
         [r["loss"] for r in records],
@@ -196,7 +204,6 @@ def plot_loss(records: list[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _plot_layout(layouts, path: str) -> bool:

@@ -2,35 +2,36 @@
 
 [Note: wgrad backends]
 Each backend does the three GEMMs of a linear layer on quantised operands, each operand
-quantised along that GEMM's contraction dim (tokens for the wgrad), and declares the layout
-:class:`~aligndp.plan.layout.Requirement` of its fused wgrad (from :mod:`aligndp.lowp.recipes`, where the
-numbers live once). Before writing into ``main_grad`` every backend checks the real view it
-was given (its pointer, shape, dtype), so a misplanned buffer is a ``ValueError`` that names
-the offset and the rule, never a kernel fault.
+quantised along that GEMM's contraction dim (tokens for the wgrad), for the
+:class:`~aligndp.lowp.recipe.Recipe` it was built with, whose layout requirements its fused
+wgrad declares ([Note: wgrad recipes]). Before writing into ``main_grad`` every backend checks
+the real view it was given (its pointer, shape, dtype), so a misplanned buffer is a
+``ValueError`` that names the offset and the rule, never a kernel fault.
 
-- ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad.
-- ``triton`` (Hopper): MXFP8 quantise kernel, then an exact dequantise pass and a bf16-MMA
-  GEMM accumulating in place (Hopper has no MX MMA; see [Note: block-scaled GEMM]).
-- ``fp8`` (Hopper): 1x128 blockwise FP8 (float32 scales): TMA-pipelined fp8 GEMM promoting
-  each 128-wide K block into float32, accumulating in place.
-The GPU backends import Triton on first use only.
+- ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad;
+  the recipe's block, E8M0 scales.
+- ``triton`` / ``fp8`` (Hopper, :mod:`aligndp.lowp.triton_backend`): the recipe's quantise
+  and block-scaled GEMM kernels, the wgrad accumulating in place.
+Which backend a name means is read from the registered recipes; the GPU backends are
+imported (with Triton) on first use only, by module path.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 
 import torch
 
 from aligndp.lowp.mx_format import dequantize_mxfp8, padded_length, quantize_mxfp8
-from aligndp.lowp.recipes import wgrad_requirements
+from aligndp.lowp.recipe import Recipe, ScaleFormat
+from aligndp.lowp.recipes import backend_names, find_backend, get_recipe
 from aligndp.plan.layout import Requirement
 
 __all__ = [
     "WgradBackend",
     "ReferenceBackend",
     "get_backend",
-    "BACKENDS",
     "pad_tokens",
     "check_main_grad",
 ]
@@ -82,7 +83,8 @@ def check_main_grad(
         )
     if main_grad.dtype not in _GRAD_DTYPES:
         raise ValueError(
-            f"main_grad dtype {main_grad.dtype} is not supported; use float32 or bfloat16 grad buffers"
+            f"main_grad dtype {main_grad.dtype} is not supported; use float32 or bfloat16 grad "
+            "buffers"
         )
     if main_grad.device != torch.device(device):
         raise ValueError(f"main_grad is on {main_grad.device} but the weight is on {device}")
@@ -94,12 +96,16 @@ def check_main_grad(
     address = main_grad.data_ptr()
     offset = (address - main_grad.untyped_storage().data_ptr()) // item
     align = requirement.start_alignment(item)
-    where = f"main_grad starts at element {offset} ({offset * item} B) of its storage, address {address:#x}"
+    where = (
+        f"main_grad starts at element {offset} ({offset * item} B) of its storage, "
+        f"address {address:#x}"
+    )
     if address % (align * item):
         raise ValueError(
-            f"{where}: address % {align * item} = {address % (align * item)}; rule: {requirement.rule} "
-            f"needs {align}-element starts ({align * item} B aligned addresses); plan the layout with "
-            f"start_alignment={align} and allocate the buffer with aligned_empty()"
+            f"{where}: address % {align * item} = {address % (align * item)}; "
+            f"rule: {requirement.rule} needs {align}-element starts ({align * item} B aligned "
+            f"addresses); plan the layout with start_alignment={align} and allocate the buffer "
+            "with aligned_empty()"
         )
     if address % byte_alignment:
         raise ValueError(
@@ -115,19 +121,40 @@ class WgradBackend(abc.ABC):
     """
 
     name: str = ""
-    recipe: str = "mxfp8"
-    """Key of :func:`aligndp.lowp.recipes.wgrad_requirements`."""
+    """What ``get_backend`` calls it (a :class:`~aligndp.lowp.recipe.BackendRef` name)."""
+    default_recipe: str = "mxfp8"
+    """The recipe it runs when built with none."""
+    scale_formats: tuple[ScaleFormat | enum.Enum, ...] = (ScaleFormat.E8M0,)
+    """Scale formats it implements; building it for another recipe raises."""
+
+    def __init__(self, recipe: Recipe | str | None = None, *, name: str | None = None):
+        if not isinstance(recipe, Recipe):
+            recipe = get_recipe(recipe or self.default_recipe)
+        if recipe.scale_format not in self.scale_formats:
+            raise ValueError(
+                f"backend {type(self).__name__} implements {[f.value for f in self.scale_formats]} "
+                f"scales, but recipe {recipe.name!r} uses {recipe.scale_format}; pick one of "
+                f"that recipe's backends: {[b.name for b in recipe.backends]}"
+            )
+        self.recipe = recipe
+        if name is not None:
+            self.name = name
 
     @property
-    def requirement(self) -> Requirement:
-        (req,) = wgrad_requirements(self.recipe)
-        return req
+    def block(self) -> int:
+        """Elements per quantisation block (the recipe's)."""
+        return self.recipe.block
+
+    def check_main_grad(self, main_grad: torch.Tensor, *, shape: tuple[int, ...], device) -> None:
+        """Raise ``ValueError`` unless ``main_grad`` is a view this backend may write into
+        (:func:`check_main_grad`) under every requirement of the recipe."""
+        for requirement in self.recipe.requirements or (Requirement(f"{self.recipe.name} wgrad"),):
+            check_main_grad(main_grad, requirement, shape=shape, device=device)
 
     def check(self, main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless this backend may accumulate ``grad_out.T @ x`` into ``main_grad``."""
-        check_main_grad(
-            main_grad, self.requirement, shape=(grad_out.shape[1], x.shape[1]), device=x.device
-        )
+        """Raise ``ValueError`` unless this backend may accumulate ``grad_out.T @ x`` into
+        ``main_grad``."""
+        self.check_main_grad(main_grad, shape=(grad_out.shape[1], x.shape[1]), device=x.device)
 
     @abc.abstractmethod
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -135,7 +162,8 @@ class WgradBackend(abc.ABC):
 
     @abc.abstractmethod
     def dgrad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``grad_out @ weight`` (tokens, in) in ``grad_out.dtype``; contraction over out-features."""
+        """``grad_out @ weight`` (tokens, in) in ``grad_out.dtype``; contraction over
+        out-features."""
 
     @abc.abstractmethod
     def wgrad(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -184,49 +212,47 @@ class WgradBackend(abc.ABC):
         return grad_x, grad_w
 
 
-def _mx(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t`` through MXFP8 E4M3 along ``dim`` and back, as float32."""
-    return dequantize_mxfp8(quantize_mxfp8(t, dim=dim), dim=dim)
-
-
 class ReferenceBackend(WgradBackend):
-    """MXFP8 by the book on any device: quantise, dequantise, float32 matmul. The parity
-    target of the GPU backends; its numerics equal an exact MXFP8 GEMM up to fp32 rounding."""
+    """A recipe with E8M0 scales by the book on any device: quantise, dequantise, float32
+    matmul. The parity target of the GPU backends; its numerics equal an exact block-scaled
+    GEMM up to fp32 rounding."""
 
     name = "reference"
 
+    def _mx(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """``t`` through the recipe's E4M3 blocks along ``dim`` and back, as float32."""
+        return dequantize_mxfp8(quantize_mxfp8(t, dim=dim, block_size=self.block), dim=dim)
+
     def forward(self, x, weight):
-        return (_mx(x, -1) @ _mx(weight, -1).T).to(x.dtype)
+        return (self._mx(x, -1) @ self._mx(weight, -1).T).to(x.dtype)
 
     def dgrad(self, grad_out, weight):
-        return (_mx(grad_out, -1) @ _mx(weight, 0)).to(grad_out.dtype)
+        return (self._mx(grad_out, -1) @ self._mx(weight, 0)).to(grad_out.dtype)
 
     def wgrad(self, grad_out, x):
-        return _mx(pad_tokens(grad_out, 32), 0).T @ _mx(pad_tokens(x, 32), 0)
-
-
-BACKENDS = ("reference", "triton", "fp8")
+        block = self.block
+        return self._mx(pad_tokens(grad_out, block), 0).T @ self._mx(pad_tokens(x, block), 0)
 
 
 def get_backend(backend: str | WgradBackend) -> WgradBackend:
-    """A backend instance by name (``reference``, ``triton``, ``fp8``), or ``backend`` itself."""
+    """A backend instance by name (one of :func:`aligndp.lowp.recipes.backend_names`, e.g.
+    ``reference``, ``triton``, ``fp8``), built for the recipe that declares it; or ``backend``
+    itself."""
     if isinstance(backend, WgradBackend):
         return backend
-    if backend == "reference":
-        return ReferenceBackend()
-    if backend in ("triton", "fp8"):
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"backend {backend!r} runs Triton kernels on a CUDA GPU (Hopper), and none is "
-                "available; use backend='reference' on CPU"
-            )
-        from aligndp.lowp import triton_backend  # imports Triton: GPU only
-
-        return (
-            triton_backend.TritonMXBackend()
-            if backend == "triton"
-            else triton_backend.TritonFP8Backend()
+    found = find_backend(backend)
+    if found is None:
+        raise ValueError(
+            f"unknown MX backend {backend!r}: choose one of {', '.join(backend_names())} or "
+            "pass a WgradBackend"
         )
-    raise ValueError(
-        f"unknown MX backend {backend!r}: choose one of {', '.join(BACKENDS)} or pass a WgradBackend"
-    )
+    recipe, ref = found
+    if ref.needs_cuda and not torch.cuda.is_available():
+        on_cpu = [b.name for b in recipe.backends if not b.needs_cuda] or [
+            n for n in backend_names() if not find_backend(n)[1].needs_cuda
+        ]
+        raise ValueError(
+            f"backend {backend!r} runs {recipe.name} kernels on a CUDA GPU (Hopper), and none "
+            f"is available; use backend={on_cpu[0]!r} on CPU"
+        )
+    return ref.load(recipe)

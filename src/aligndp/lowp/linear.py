@@ -1,4 +1,8 @@
-"""``MXLinear``: a drop-in ``nn.Linear`` whose GEMMs run on MXFP8 operands, and a converter.
+"""``MXLinear``: a drop-in ``nn.Linear`` whose GEMMs run on quantised operands, and a converter.
+
+The backend decides the recipe ([Note: wgrad recipes]): MXFP8 by default, or any registered
+recipe's backend (``backend="fp8"``, ...). The recipe's ``layer_dim_multiple`` decides which
+layers can be converted, its requirements what the fused wgrad needs of ``main_grad``.
 
 The weight gradient can be fused into the data-parallel grad buffer: see [Note: fused wgrad]
 in :mod:`aligndp.plan.fused`. With a sink bound and a view available, backward accumulates
@@ -18,9 +22,7 @@ from aligndp.lowp.backends import WgradBackend, get_backend
 from aligndp.plan.fused import GradSink
 from aligndp.plan.layout import Requirement
 
-__all__ = ["MXLinear", "convert_to_mxfp8", "default_filter"]
-
-MX_BLOCK = 32
+__all__ = ["MXLinear", "convert_to_mxfp8"]
 
 
 class _MXLinearFunction(torch.autograd.Function):
@@ -78,10 +80,12 @@ class _MXLinearFunction(torch.autograd.Function):
 
 
 class MXLinear(nn.Linear):
-    """``nn.Linear`` with MXFP8 forward, dgrad and wgrad GEMMs; same params and state_dict keys.
+    """``nn.Linear`` with quantised forward, dgrad and wgrad GEMMs (MXFP8 unless ``backend``
+    runs another recipe); same params and state_dict keys.
 
-    ``in_features`` and ``out_features`` must be multiples of 32 (the MX block), since each
-    is the contraction dim of one GEMM. Implements :class:`aligndp.plan.fused.FusedWgradModule`.
+    ``in_features`` and ``out_features`` must be multiples of the recipe's
+    ``layer_dim_multiple`` (32 for MXFP8, the MX block), since each is the contraction dim of
+    one GEMM. Implements :class:`aligndp.plan.fused.FusedWgradModule`.
     """
 
     def __init__(
@@ -94,21 +98,25 @@ class MXLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
+        backend = get_backend(backend)
+        multiple = backend.recipe.layer_dim_multiple
         for name, size in (("in_features", in_features), ("out_features", out_features)):
-            if size % MX_BLOCK:
+            if size % multiple:
                 raise ValueError(
-                    f"MXLinear needs {name} to be a multiple of {MX_BLOCK} (the MX block, along which "
-                    f"its GEMM contracts), got {size}; keep this layer an nn.Linear or pad it"
+                    f"MXLinear needs {name} to be a multiple of {multiple} (the "
+                    f"{backend.recipe.name} block, along which its GEMM contracts), got {size}; "
+                    "keep this layer an nn.Linear or pad it"
                 )
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.backend = get_backend(backend)
+        self.backend = backend
         self._grad_sink: GradSink | None = None
 
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, *, backend: str | WgradBackend = "reference"
     ) -> MXLinear:
-        """An MXLinear sharing ``linear``'s parameter objects (optimizers built on them keep working)."""
+        """An MXLinear sharing ``linear``'s parameter objects (optimizers built on them keep
+        working)."""
         new = cls(
             linear.in_features,
             linear.out_features,
@@ -122,7 +130,7 @@ class MXLinear(nn.Linear):
         return new
 
     def wgrad_requirements(self) -> list[Requirement]:
-        return [self.backend.requirement]
+        return list(self.backend.recipe.requirements)
 
     def bind_grad_sink(self, sink: GradSink | None) -> None:
         self._grad_sink = sink
@@ -136,18 +144,6 @@ class MXLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend.name}"
-
-
-def default_filter(
-    name: str, module: nn.Linear, *, last_linear: str = "", shared: frozenset = frozenset()
-) -> bool:
-    """Convert ``module`` unless: a dim is not a multiple of 32 (no whole MX blocks); it is the
-    model's last ``nn.Linear`` in registration order (the output head, whose logits are the
-    most precision-sensitive GEMM; torchao and TE recipes keep it high precision too); or its
-    weight is shared with another module (tied embeddings: the fused wgrad would bypass the
-    other user's autograd path)."""
-    dims_ok = module.in_features % MX_BLOCK == 0 and module.out_features % MX_BLOCK == 0
-    return dims_ok and name != last_linear and name not in shared
 
 
 def _shared_weight_linears(model: nn.Module) -> frozenset:
@@ -167,15 +163,17 @@ def convert_to_mxfp8(
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules of ``model`` (in place) for :class:`MXLinear`; return ``model``.
 
-    ``filter(name, module) -> bool`` picks which (``name`` as in ``named_modules``); the default
-    is :func:`default_filter`. Parameters are reused, so state_dict keys and optimizers are
-    unchanged; model code is not touched.
+    ``backend`` (a name or instance) picks the recipe, MXFP8 by default. ``filter(name, module)
+    -> bool`` picks which layers (``name`` as in ``named_modules``); the default is the
+    recipe's :meth:`~aligndp.lowp.recipe.Recipe.converts`. Parameters are reused, so
+    state_dict keys and optimizers are unchanged; model code is not touched.
     """
     backend = get_backend(backend)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     if filter is None:
         last, shared = (linears[-1][0] if linears else ""), _shared_weight_linears(model)
-        filter = lambda n, m: default_filter(n, m, last_linear=last, shared=shared)  # noqa: E731
+        recipe = backend.recipe
+        filter = lambda n, m: recipe.converts(n, m, last_linear=last, shared=shared)  # noqa: E731
     for name, module in linears:
         if not filter(name, module):
             continue

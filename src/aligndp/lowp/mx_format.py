@@ -113,7 +113,8 @@ def _check_input(x: torch.Tensor, dim: int, block_size: int) -> int:
         )
     if x.ndim == 0:
         raise ValueError(
-            "cannot quantise a 0-d tensor to MXFP8: blocks need a dim; use x.reshape(1, -1) padded to 32"
+            "cannot quantise a 0-d tensor to MXFP8: blocks need a dim; use x.reshape(1, -1) "
+            "padded to 32"
         )
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(
@@ -128,8 +129,9 @@ def _check_input(x: torch.Tensor, dim: int, block_size: int) -> int:
     if length % block_size:
         padded = padded_length(length, block_size)
         raise ValueError(
-            f"dim {dim} of shape {tuple(x.shape)} has length {length}, not a multiple of block_size={block_size}; "
-            f"pad it with zeros to {padded} (zeros never raise a block's scale)"
+            f"dim {dim} of shape {tuple(x.shape)} has length {length}, not a multiple of "
+            f"block_size={block_size}; pad it with zeros to {padded} (zeros never raise a "
+            "block's scale)"
         )
     return dim
 
@@ -198,8 +200,8 @@ def dequantize_mxfp8(
     data, scale = mx
     if data.dtype not in ELEMENT_FORMATS or scale.dtype != torch.float8_e8m0fnu:
         raise MXFormatTypeError(
-            f"expected MXFP8 data (float8_e4m3fn/float8_e5m2) and float8_e8m0fnu scales, got {data.dtype} and "
-            f"{scale.dtype}; build the pair with quantize_mxfp8"
+            "expected MXFP8 data (float8_e4m3fn/float8_e5m2) and float8_e8m0fnu scales, got "
+            f"{data.dtype} and {scale.dtype}; build the pair with quantize_mxfp8"
         )
     if not -data.ndim <= dim < data.ndim:
         raise ValueError(f"dim={dim} is out of range for MXFP8 data of shape {tuple(data.shape)}")
@@ -210,8 +212,9 @@ def dequantize_mxfp8(
         expected[dim] = blocks
     if scale.ndim != data.ndim or list(scale.shape) != expected or data.shape[dim] % blocks:
         raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not fit data shape {tuple(data.shape)} along dim {dim}: "
-            "expected the data shape with that dim divided by the block size; pass the dim used to quantise"
+            f"scale shape {tuple(scale.shape)} does not fit data shape {tuple(data.shape)} along "
+            f"dim {dim}: expected the data shape with that dim divided by the block size; pass the "
+            "dim used to quantise"
         )
     block_size = data.shape[dim] // blocks
     values = data.to(torch.float32) * scale.to(torch.float32).repeat_interleave(block_size, dim=dim)

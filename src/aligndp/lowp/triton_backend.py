@@ -1,4 +1,6 @@
-"""The Hopper backends of MXLinear: MXFP8 (``triton``) and 1x128 blockwise FP8 (``fp8``).
+"""The Hopper backend of MXLinear, for the recipes its kernels implement: MXFP8 (backend
+``triton``: E8M0 scales, 1x32 blocks) and 1x128 blockwise FP8 (backend ``fp8``: float32
+scales); the block and scale format come from the recipe.
 
 Both quantise each operand along its GEMM's contraction dim and run the block-scaled GEMM of
 :mod:`aligndp.lowp.triton_kernels`, whose wgrad accumulates in place into ``main_grad`` after
@@ -17,11 +19,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from aligndp.lowp.backends import WgradBackend, check_main_grad, pad_tokens
+from aligndp.lowp.backends import WgradBackend, pad_tokens
 from aligndp.lowp.mx_format import padded_length
+from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_kernels import QuantizedOperand, quantize_rows_and_columns, scaled_gemm
 
-__all__ = ["TritonMXBackend", "TritonFP8Backend"]
+__all__ = ["TritonBackend"]
 
 
 def _pad_2d(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -45,14 +48,14 @@ class _Saved(NamedTuple):
     out_features: int
 
 
-class TritonMXBackend(WgradBackend):
-    """MXFP8 E4M3, 1x32 E8M0 blocks; numerics of :class:`~aligndp.lowp.backends.ReferenceBackend`
-    up to float32 summation order."""
+class TritonBackend(WgradBackend):
+    """E4M3 operands in the recipe's blocks along each GEMM's contraction dim. E8M0 scales
+    (MXFP8): the numerics of :class:`~aligndp.lowp.backends.ReferenceBackend` up to float32
+    summation order; float32 scales ``amax / 448`` (1x128 fp8): the GEMM promotes to float32
+    once per K block."""
 
     name = "triton"
-    recipe = "mxfp8"
-    block = 32
-    mx = True
+    scale_formats = (ScaleFormat.E8M0, ScaleFormat.FP32)
 
     def _quantize(
         self, t: torch.Tensor, *, rowwise: bool = True, colwise: bool = True
@@ -60,7 +63,11 @@ class TritonMXBackend(WgradBackend):
         """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
         (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for."""
         return quantize_rows_and_columns(
-            _pad_2d(t, self.block), block=self.block, mx=self.mx, rowwise=rowwise, colwise=colwise
+            _pad_2d(t, self.block),
+            block=self.block,
+            scale_format=self.recipe.scale_format,
+            rowwise=rowwise,
+            colwise=colwise,
         )
 
     def _gemm(
@@ -73,7 +80,7 @@ class TritonMXBackend(WgradBackend):
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty(a.data.shape[0], b.data.shape[0], dtype=dtype, device=a.data.device)
-        scaled_gemm(a, b, out, block=self.block, mx=self.mx, bias=bias)
+        scaled_gemm(a, b, out, block=self.block, scale_format=self.recipe.scale_format, bias=bias)
         return out[:rows, :cols]
 
     def forward(self, x, weight):
@@ -106,7 +113,14 @@ class TritonMXBackend(WgradBackend):
         if rows % self.block or cols % self.block:  # ragged feature dims: no in-place kernel
             main_grad.add_(self._gemm(a, b, rows, cols, torch.float32))
         else:
-            scaled_gemm(a, b, main_grad, block=self.block, mx=self.mx, accumulate=True)
+            scaled_gemm(
+                a,
+                b,
+                main_grad,
+                block=self.block,
+                scale_format=self.recipe.scale_format,
+                accumulate=True,
+            )
 
     def forward_for_backward(self, x, weight, bias=None):
         x_row, x_col = self._quantize(x)
@@ -127,18 +141,6 @@ class TritonMXBackend(WgradBackend):
             if main_grad is None:
                 grad_w = self._gemm(dy_col, x_col, n_out, n_in, torch.float32)
             else:
-                check_main_grad(
-                    main_grad, self.requirement, shape=(n_out, n_in), device=grad_out.device
-                )
+                self.check_main_grad(main_grad, shape=(n_out, n_in), device=grad_out.device)
                 self._accumulate(dy_col, x_col, main_grad)
         return grad_x, grad_w
-
-
-class TritonFP8Backend(TritonMXBackend):
-    """1x128 blockwise FP8 E4M3 with float32 scales ``amax / 448`` along the contraction dim;
-    the GEMM promotes to float32 once per 128-wide K block."""
-
-    name = "fp8"
-    recipe = "fp8"
-    block = 128
-    mx = False

@@ -11,18 +11,17 @@ optimizer's group dicts, and a list captured at construction would then point at
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
-from aligndp.runtime.collectives import all_reduce_sum
+from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.ddp import DataParallel
 
 __all__ = [
     "DataParallelOptimizer",
     "ELEMENTWISE_OPTIMIZERS",
+    "check_max_grad_norm",
     "resolve_optimizer_class",
     "is_elementwise",
     "global_grad_norm",
@@ -46,6 +45,14 @@ ZeRO-1 applies to any optimizer class it is given."""
 _IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
+def check_max_grad_norm(max_grad_norm: object) -> None:
+    """Refuse a clipping threshold that is not > 0 (None: no clipping)."""
+    if max_grad_norm is not None and not (
+        isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+    ):
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+
+
 def resolve_optimizer_class(name: str | type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     if isinstance(name, type) and issubclass(name, torch.optim.Optimizer):
         return name
@@ -59,13 +66,14 @@ def resolve_optimizer_class(name: str | type[torch.optim.Optimizer]) -> type[tor
         return ELEMENTWISE_OPTIMIZERS[str(name).lower()]
     except KeyError:
         raise ValueError(
-            f"unknown optimizer {name!r}: choose one of {sorted(ELEMENTWISE_OPTIMIZERS) + ['muon']} or pass a "
-            "torch.optim.Optimizer subclass"
+            f"unknown elementwise optimizer {name!r}: choose one of "
+            f"{sorted(ELEMENTWISE_OPTIMIZERS)} or pass a torch.optim.Optimizer subclass"
         ) from None
 
 
 def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> bool:
-    """Whether ``opt_class`` with ``options`` updates each element from that element's history alone.
+    """Whether ``opt_class`` with ``options`` updates each element from that element's history
+    alone.
 
     How it is decided: a probe. The optimizer steps a 4x6 tensor three times, and separately
     two flat pieces of it cut at element 7 (how ZeRO-1 cuts params) with the same gradients;
@@ -101,7 +109,7 @@ def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> boo
 
 
 def global_grad_norm(
-    local_sq_sums: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None
+    local_sq_sums: Iterable[torch.Tensor], *, collectives: Collectives
 ) -> torch.Tensor:
     """Global gradient 2-norm from each rank's sums of squares of the real elements it owns.
 
@@ -110,28 +118,25 @@ def global_grad_norm(
     """
     sums = list(local_sq_sums)
     total = torch.stack([s.float() for s in sums]).sum() if sums else torch.zeros(())
-    if dist.get_world_size(group) > 1:
-        all_reduce_sum(total, group=group)
+    if collectives.dp_size > 1:
+        collectives.all_reduce_sum(total)
     return total.sqrt()
 
 
 class DataParallelOptimizer(torch.optim.Optimizer):
     """Base class: wraps inner torch optimizers and the :class:`DataParallel` they serve.
 
-    Subclasses implement :meth:`step`. ``Optimizer.__init__`` is deliberately not called: the
-    inner optimizers own the params and state; this object only forwards to them.
+    Subclasses implement :meth:`step`. ``torch.optim.Optimizer.__init__`` runs (hooks, step
+    patching, defaults) over the inner optimizers' own groups, which it does not copy: the
+    inner optimizers own the params, groups and state; this object only forwards to them.
     """
 
     def __init__(self, model: DataParallel, inner: list[torch.optim.Optimizer]) -> None:
         self.model = model
         self.inner = inner
-        self.defaults = dict(inner[0].defaults) if inner else {}
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._constructing = True  # torch's __init__ adds our groups: they are the inner ones
+        super().__init__(self.param_groups, dict(inner[0].defaults) if inner else {})
+        self._constructing = False
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
@@ -139,6 +144,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, value) -> None:
+        if getattr(self, "_constructing", False) and value == []:
+            return  # Optimizer.__init__ starts from an empty list; the inner groups are ours
         raise AttributeError(
             "param_groups belong to the inner torch optimizers; edit the group dicts instead"
         )
@@ -159,10 +166,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self.model.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
+        if self._constructing:
+            return  # Optimizer.__init__ registering an inner optimizer's own group
         raise ValueError(
-            "aligndp plans its buffers for the module's params when it wraps them, so groups cannot be added "
-            "later: pass every group to aligndp.parallelize(..., param_groups=[{'params': [...], **options}, ...]); "
-            "to train a param later, keep it trainable from the start (a param without gradient is not stepped)"
+            "aligndp plans its buffers for the module's params when it wraps them, so groups "
+            "cannot be added "
+            "later: pass every group to aligndp.parallelize(..., param_groups=[{'params': [...], "
+            "**options}, ...]); "
+            "to train a param later, keep it trainable from the start (a param without gradient "
+            "is not stepped)"
         )
 
     # ---- torch's optimizer state dict, rank-local ----
@@ -200,12 +212,14 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             def describe(fp):
                 if not fp:
                     return "a plain torch optimizer"
-                return f"rank {fp['rank']} of dp size {fp['dp_size']}, {sum(len(o) for o in fp['shapes'])} group(s)"
+                groups = sum(len(o) for o in fp["shapes"])
+                return f"rank {fp['rank']} of dp size {fp['dp_size']}, {groups} group(s)"
 
             raise ValueError(
-                f"this optimizer state dict was saved by {describe(theirs)} with another layout of the optimizer's "
-                f"tensors than this optimizer's ({describe(mine)}): opt.state_dict() is rank-local; load it on the "
-                "same rank with the same dp size, bucket size and param groups, or use aligndp.save()/aligndp.load(), "
+                f"this optimizer state dict was saved by {describe(theirs)} with another layout "
+                f"of the optimizer's tensors than this optimizer's ({describe(mine)}): "
+                "opt.state_dict() is rank-local; load it on the same rank with the same dp "
+                "size, bucket size and param groups, or use aligndp.save()/aligndp.load(), "
                 "which reshard"
             )
         offset = 0

@@ -1,25 +1,30 @@
 """Several optimizer parts behind one torch-optimizer face, with one global gradient norm.
 
-A *part* steps some params with its inner torch optimizer(s) and knows which reduced
-gradients this rank holds for them: layer-wise Muon (:class:`~aligndp.optim.layerwise.LayerwiseMuon`),
-ZeRO-1 AdamW (:class:`~aligndp.optim.sharded.ShardedOptimizer`, whose composable pieces this
-protocol follows), or a replicated optimizer (:class:`ReplicatedPart`). The composite
-finishes the gradient sync once, clips every part by one global norm (one all-reduce),
-steps each part, and all-gathers every sharded and layer-wise buffer once — after the step
-or overlapped with the next forward (:class:`~aligndp.runtime.param_gather.ParamGather`).
-Checkpoints see it through the model-space methods of [Note: model-space state]
-(aligndp/state/checkpoint.py), which it forwards to the part that holds each param.
+A *part* (:class:`OptimizerPart`, the one contract every mode implements fully) steps some
+params with its inner torch optimizer(s) and knows which reduced gradients this rank holds
+for them: a whole-matrix optimizer such as Muon
+(:class:`~aligndp.optim.whole_matrix.WholeMatrixPart`), ZeRO-1 over an elementwise optimizer
+(:class:`~aligndp.optim.sharded.ShardedPart`), or a replicated optimizer
+(:class:`ReplicatedPart`). The composite finishes the gradient sync once, clips every part
+by one global norm (one all-reduce), steps each part — handing it the callback that starts a
+bucket's param all-gather as soon as the part has stepped that bucket — and all-gathers
+every sharded and layer-wise buffer once, after the step or overlapped with the next forward
+(:class:`~aligndp.runtime.param_gather.ParamGather`). Checkpoints see it through the
+model-space methods of [Note: model-space state] (aligndp/state/model_space.py), which it
+forwards to the part that holds each param.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import abc
+from collections.abc import Callable, Sequence
 
 import torch
 
-from aligndp.optim.base import DataParallelOptimizer, global_grad_norm
-from aligndp.plan.layout import Mode
+from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm, global_grad_norm
+from aligndp.plan.layout import Mode, padding_totals
+from aligndp.plan.routing import Routing
+from aligndp.plan.spec import max_over_mean
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.param_gather import ParamGather
@@ -30,6 +35,7 @@ from aligndp.state.model_space import (
 )
 
 __all__ = [
+    "BucketStepped",
     "OptimizerPart",
     "ReplicatedPart",
     "CompositeOptimizer",
@@ -38,34 +44,60 @@ __all__ = [
 ]
 
 
-class OptimizerPart(Protocol):
+BucketStepped = Callable[[FlatBuffer, int], None]
+"""``(buffer, bucket)``: the composite's hook that starts that bucket's param all-gather."""
+
+
+class OptimizerPart(abc.ABC):
+    """What a composite needs from each of its parts; every part implements all of it.
+
+    Attributes every part sets in ``__init__``: ``inner`` (its torch optimizers), ``names``
+    (every param it steps on some rank) and ``elementwise_state`` (its declaration for
+    checkpoints, [Note: model-space state]: True when the inner optimizer's state tensors
+    shaped like a param are per-element, False when every state tensor is whole).
+    """
+
     inner: list[torch.optim.Optimizer]
     names: list[str]
-    """Every param this part steps (on some rank), by name."""
+    elementwise_state: bool
 
+    @abc.abstractmethod
     def prepare_grads(self) -> None:
         """Bind the reduced gradients as ``.grad`` of what the inner optimizer steps (idempotent
         within one reduction; params without a gradient get none)."""
 
+    @abc.abstractmethod
     def local_grad_sq_sum(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (shares sum to it over ranks)."""
 
+    @abc.abstractmethod
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        """Clip the bound gradients by the global norm (``torch.nn.utils.clip_grads_with_norm_``)."""
+        """Clip the bound gradients by the global norm
+        (``torch.nn.utils.clip_grads_with_norm_``)."""
 
+    @abc.abstractmethod
     def on_reduced(self) -> None:
         """After a reduction: give what the inner optimizer steps the ``.grad`` users may see
         (a :class:`~aligndp.runtime.grads.ShardedGrad` where it has no full value, so a torch
         ``GradScaler`` refuses clearly)."""
 
-    def step_owned(self) -> None:
-        """Step what this rank owns; values land in ``param_data`` (gathered by the composite)."""
+    @abc.abstractmethod
+    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+        """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
+        bucket calls ``bucket_stepped(buffer, bucket)`` after each of its buckets, so that
+        bucket's all-gather overlaps the next one's step; the composite gathers the rest."""
 
-    def owned_range(self, name: str) -> tuple[int, int]: ...
+    @abc.abstractmethod
+    def owned_range(self, name: str) -> tuple[int, int]:
+        """``[lo, hi)`` of the flattened param ``name`` this rank steps; ``(0, 0)`` if none."""
 
-    def model_space_state_dict(self) -> dict[str, object]: ...
+    @abc.abstractmethod
+    def model_space_state_dict(self) -> dict[str, object]:
+        """Owned values and optimizer state in model space ([Note: model-space state])."""
 
-    def load_model_space_state_dict(self, sd: dict[str, object]) -> None: ...
+    @abc.abstractmethod
+    def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
+        """Inverse of :meth:`model_space_state_dict`, cut to this rank's current ownership."""
 
 
 def sum_of_squares(grads: Sequence[torch.Tensor], *, device: torch.device) -> torch.Tensor:
@@ -75,15 +107,20 @@ def sum_of_squares(grads: Sequence[torch.Tensor], *, device: torch.device) -> to
     return torch.stack([g.float().square().sum() for g in grads]).sum()
 
 
-class ReplicatedPart:
+class ReplicatedPart(OptimizerPart):
     """A part over all-reduced params: every rank steps all of them with ``inner`` (plain DDP).
 
     The reduced gradients are already ``param.grad`` ([Note: step states] in ddp.py), possibly
-    edited by the user (clipping, unscaling) or dropped (``None``: not stepped)."""
+    edited by the user (clipping, unscaling) or dropped (``None``: not stepped).
+    ``elementwise_state``: False for a whole-matrix optimizer, so its checkpoint entries are
+    the same as the zero1 whole-matrix part's (a run can resume in the other sharding)."""
 
-    def __init__(self, model: DataParallel, inner: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: DataParallel, inner: torch.optim.Optimizer, *, elementwise_state: bool
+    ) -> None:
         self.model = model
         self.inner = [inner]
+        self.elementwise_state = elementwise_state
         self.params = [p for g in inner.param_groups for p in g["params"]]
         self.names = [model.param_names[p] for p in self.params]
 
@@ -103,8 +140,8 @@ class ReplicatedPart:
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
 
-    def step_owned(self) -> None:
-        self.inner[0].step()
+    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+        self.inner[0].step()  # replicated buffers hold no params to gather
 
     def owned_range(self, name: str) -> tuple[int, int]:
         return 0, self.params[self.names.index(name)].numel()
@@ -115,7 +152,9 @@ class ReplicatedPart:
             for n, p in zip(self.names, self.params)
         }
         extents = {n: (0, p.numel()) for n, p in zip(self.names, self.params)}
-        return sd | torch_state_to_model_space(self.inner[0], self.names, extents)
+        return sd | torch_state_to_model_space(
+            self.inner[0], self.names, extents, elementwise=self.elementwise_state
+        )
 
     @torch.no_grad()
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
@@ -144,7 +183,8 @@ class BucketGather(ParamGather):
         self._launched.add(key)
 
     def launch_rest(self) -> None:
-        """Start every bucket not started yet, in forward order; wait for all unless overlapping the forward."""
+        """Start every bucket not started yet, in forward order; wait for all unless overlapping
+        the forward."""
         for key in self.order:
             if key not in self._launched:
                 self.launch_bucket(key)
@@ -159,6 +199,7 @@ class CompositeOptimizer(DataParallelOptimizer):
     ``param_groups`` lists every part's groups, tagged ``group["optimizer"]`` (``"muon"``,
     ``"adamw"``); lr schedulers reach the inner optimizers. ``max_grad_norm`` clips all parts
     by one global norm, as ``torch.nn.utils.clip_grad_norm_`` over every param would.
+    ``routing``: the :class:`~aligndp.plan.routing.Routing` that split the params, when one did.
     """
 
     def __init__(
@@ -168,9 +209,15 @@ class CompositeOptimizer(DataParallelOptimizer):
         *,
         max_grad_norm: float | None = None,
         overlap_param_gather: bool = False,
+        routing: Routing | None = None,
     ) -> None:
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        check_max_grad_norm(max_grad_norm)
+        for part in parts:
+            if not isinstance(part, OptimizerPart):
+                raise TypeError(
+                    f"a composite's parts implement aligndp.optim.composite.OptimizerPart, "
+                    f"got {type(part).__name__}"
+                )
         super().__init__(model, [opt for part in parts for opt in part.inner])
         self.parts = list(parts)
         for part in self.parts:
@@ -180,20 +227,19 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.max_grad_norm = max_grad_norm
         self.skipped_steps = 0
         """Steps skipped on every rank for non-finite gradients (``on_nonfinite="skip"``)."""
-        self.routing = None
+        self.routing = routing
         """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
         gathered = [b for b in model.flat_buffers if b.param_data is not None]
         self.gather = BucketGather(
-            gathered, group=model.process_group, module=model.module, overlap=overlap_param_gather
+            gathered,
+            group=model.process_group,
+            module=model.module,
+            overlap=overlap_param_gather,
+            collectives=model.collectives,
         )
         if gathered:
             model.attach_param_gather(self.gather)
         model.reduction_listeners.append(self._on_reduced)
-        for part in self.parts:
-            if hasattr(
-                part, "on_bucket_stepped"
-            ):  # layer-wise Muon: gather each bucket once it is stepped
-                part.on_bucket_stepped = self.gather.launch_stepped
 
     def _on_reduced(self) -> None:
         for part in self.parts:
@@ -212,7 +258,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         ``torch.nn.utils.clip_grad_norm_`` would compute it over every rank's full gradients."""
         self._prepare()
         return global_grad_norm(
-            [part.local_grad_sq_sum() for part in self.parts], group=self.model.process_group
+            [part.local_grad_sq_sum() for part in self.parts], collectives=self.model.collectives
         )
 
     @torch.no_grad()
@@ -243,7 +289,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         else:
             self._prepare()
         for part in self.parts:
-            part.step_owned()
+            part.step_owned(self.gather.launch_stepped)
         self.model.data_touched.clear()
         self.gather.launch_rest()
         return None
@@ -286,24 +332,23 @@ class CompositeOptimizer(DataParallelOptimizer):
     # ---- reporting ----
     @property
     def imbalance(self) -> float:
-        """Max/mean Newton–Schulz cost over ranks of the layer-wise buffers (1.0 if none)."""
+        """Max/mean owner cost over ranks of the layer-wise buffers (1.0 if none), as planned."""
         costs = [0.0] * self.model.dp_size
         for layout in self.model.layouts:
             if layout.mode is Mode.LAYERWISE:
                 costs = [a + b for a, b in zip(costs, layout.rank_costs())]
-        mean = sum(costs) / len(costs)
-        return max(costs) / mean if mean > 0 else 1.0
+        return max_over_mean(costs)
 
     @property
     def padding_fraction(self) -> float:
         """Padding elements over all elements, over every buffer of the model."""
-        padded = sum(layout.padded_numel for layout in self.model.layouts)
-        real = sum(layout.numel for layout in self.model.layouts)
+        real, padded = padding_totals(self.model.layouts)
         return (padded - real) / padded if padded else 0.0
 
     def __repr__(self) -> str:
         inner = ", ".join(type(opt).__name__ for opt in self.inner)
         return (
             f"CompositeOptimizer({inner}; {len(self.param_groups)} param group(s), "
-            f"Muon cost imbalance {self.imbalance:.3f}, padding {100 * self.padding_fraction:.2f}%)"
+            f"owner cost imbalance {self.imbalance:.3f}, "
+            f"padding {100 * self.padding_fraction:.2f}%)"
         )

@@ -29,7 +29,8 @@ class ParamGroup:
 
 
 def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list[ParamGroup]:
-    """``param_groups`` as :class:`ParamGroup` s over the trainable params of ``model`` (one group if None)."""
+    """``param_groups`` as :class:`ParamGroup` s over the trainable params of ``model`` (one group
+    if None)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if param_groups is None:
         return [ParamGroup(tuple(n for n, _ in named), {})]
@@ -40,8 +41,8 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
             options = param_groups(n, p)
             if not isinstance(options, dict):
                 raise TypeError(
-                    f"param_groups callable returned {type(options).__name__} for {n!r}: return a dict "
-                    "of optimizer options, e.g. {'weight_decay': 0.0}"
+                    f"param_groups callable returned {type(options).__name__} for {n!r}: return "
+                    "a dict of optimizer options, e.g. {'weight_decay': 0.0}"
                 )
             key = tuple(sorted(options.items(), key=lambda kv: kv[0]))
             if key not in members:
@@ -57,8 +58,8 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
     for i, group in enumerate(param_groups):
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(
-                f"param group {i} must be a dict with a 'params' key, like torch's optimizers take, "
-                f"got {group!r:.80}"
+                f"param group {i} must be a dict with a 'params' key, like torch's optimizers "
+                f"take, got {group!r:.80}"
             )
         params = group["params"]
         params = [params] if isinstance(params, (str, nn.Parameter)) else list(params)
@@ -73,7 +74,8 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
                     else "not a trainable param of the wrapped module"
                 )
                 raise ValueError(
-                    f"param group {i} holds {what:.80}: {why}; list the module's own trainable params"
+                    f"param group {i} holds {what:.80}: {why}; list the module's own trainable "
+                    "params"
                 )
             if n in seen:
                 raise ValueError(
@@ -85,8 +87,8 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
     missing = [n for n, _ in named if n not in seen]
     if missing:
         raise ValueError(
-            f"trainable params {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no param group: "
-            "add them to a group (torch would never step them) or set requires_grad_(False) before "
-            "wrapping"
+            f"trainable params {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no "
+            "param group: add them to a group (torch would never step them) or set "
+            "requires_grad_(False) before wrapping"
         )
     return groups

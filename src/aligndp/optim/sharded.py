@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from aligndp.optim.base import is_elementwise
-from aligndp.optim.composite import CompositeOptimizer
+from aligndp.optim.base import is_elementwise, resolve_optimizer_class
+from aligndp.optim.composite import BucketStepped, CompositeOptimizer, OptimizerPart
 from aligndp.optim.groups import ParamGroup
 from aligndp.plan.layout import BufferLayout, Mode
 from aligndp.runtime.buffer import FlatBuffer
@@ -40,7 +40,8 @@ __all__ = ["OwnedSegment", "owned_segments", "check_elementwise", "ShardedPart",
 
 @dataclasses.dataclass(frozen=True)
 class OwnedSegment:
-    """This rank's part of one param: buffer elements ``[start, end)`` = flat param ``[offset, offset + numel)``."""
+    """This rank's part of one param: buffer elements ``[start, end)`` = flat param ``[offset,
+    offset + numel)``."""
 
     name: str
     index: int
@@ -78,18 +79,19 @@ def check_elementwise(opt_class: type[torch.optim.Optimizer], options: dict | No
     there. Decided by :func:`aligndp.optim.base.is_elementwise` (a probe), for any class.
     """
     if isinstance(opt_class, str):
-        from aligndp.optim.base import resolve_optimizer_class
-
-        opt_class = (
-            torch.optim.Muon if opt_class.lower() == "muon" else resolve_optimizer_class(opt_class)
-        )
+        opt_class = resolve_optimizer_class(opt_class)
     if not is_elementwise(opt_class, dict(options or {})):
         name = getattr(opt_class, "__name__", repr(opt_class))
         raise ValueError(
-            f"sharding='zero1' steps arbitrary slices of params, which is exact only for optimizers whose update "
-            f"of an element depends on that element alone; {name} with these options is not one (stepping a 4x6 "
-            "tensor whole and cut in two pieces gave different values). For whole-tensor optimizers such as "
-            "Muon use the layer-wise mode: optimizer='muon' (every matrix whole on one rank); or sharding='none'"
+            "sharding='zero1' steps arbitrary slices of params, which is exact only for "
+            "optimizers whose update "
+            f"of an element depends on that element alone; {name} with these options is not one "
+            "(stepping a 4x6 "
+            "tensor whole and cut in two pieces gave different values). For whole-tensor "
+            "optimizers such as "
+            "Muon use the layer-wise mode: optimizer='muon', or register yours with "
+            "aligndp.register_whole_matrix(name, spec) (every matrix whole on one rank); or "
+            "sharding='none'"
         )
 
 
@@ -102,7 +104,8 @@ class _Piece:
     buffer: FlatBuffer
     master: torch.Tensor
     cast_back: bool
-    """True when the master is a separate fp32 copy (16-bit params), False when it is the param_data view."""
+    """True when the master is a separate fp32 copy (16-bit params), False when it is the
+    param_data view."""
     group: int
     sharded_grad: ShardedGrad = dataclasses.field(init=False)
     """The master's ``.grad`` between a reduction and the step (made once: it is immutable)."""
@@ -116,7 +119,7 @@ def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
     master.copy_(torch.where(param == master.to(param.dtype), master, param.float()))
 
 
-class ShardedPart:
+class ShardedPart(OptimizerPart):
     """ZeRO-1 over ``buffers`` (sharded :class:`FlatBuffer` s of ``model``): a part of a
     :class:`~aligndp.optim.composite.CompositeOptimizer`.
 
@@ -124,6 +127,8 @@ class ShardedPart:
     :class:`~aligndp.optim.groups.ParamGroup` (a group this rank owns nothing of gets a
     grad-less zero-size placeholder, so ``param_groups`` match on every rank).
     """
+
+    elementwise_state = True  # [Note: model-space state]: state shaped like a piece is per-element
 
     def __init__(
         self,
@@ -221,7 +226,8 @@ class ShardedPart:
 
     @torch.no_grad()
     def prepare_grads(self) -> None:
-        """Bind each master's ``.grad`` to its reduced gradient (fp32); none where no rank had one."""
+        """Bind each master's ``.grad`` to its reduced gradient (fp32); none where no rank had
+        one."""
         if self._prepared_at == self.model.reductions:
             return
         self._refresh_masters()
@@ -249,8 +255,9 @@ class ShardedPart:
         torch.nn.utils.clip_grads_with_norm_([p.master for p in self.pieces], max_norm, total_norm)
 
     @torch.no_grad()
-    def step_owned(self) -> None:
-        """Inner optimizer step on the masters, cast back into ``param_data``, drop the grads."""
+    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+        """Inner optimizer step on the masters, cast back into ``param_data``, drop the grads
+        (one step over every bucket: the composite gathers them all afterwards)."""
         self.prepare_grads()
         self.inner[0].step()
         low = [p for p in self.pieces if p.cast_back]
@@ -272,7 +279,8 @@ class ShardedPart:
         return 0, 0
 
     def model_space_state_dict(self) -> dict[str, object]:
-        """Owned fp32 params and optimizer state keyed by param name; see aligndp/state/checkpoint.py."""
+        """Owned fp32 params and optimizer state keyed by param name; see
+        aligndp/state/checkpoint.py."""
         extents = {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
         sd: dict[str, object] = {
             f"param.{p.segment.name}": FlatPiece(
@@ -280,7 +288,9 @@ class ShardedPart:
             )
             for p in self.pieces
         }
-        return sd | torch_state_to_model_space(self.inner[0], self._piece_names, extents)
+        return sd | torch_state_to_model_space(
+            self.inner[0], self._piece_names, extents, elementwise=self.elementwise_state
+        )
 
     @torch.no_grad()
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
@@ -294,7 +304,8 @@ class ShardedPart:
 
 
 class ShardedOptimizer(CompositeOptimizer):
-    """ZeRO-1: a :class:`CompositeOptimizer` of one :class:`ShardedPart` over every sharded buffer."""
+    """ZeRO-1: a :class:`CompositeOptimizer` of one :class:`ShardedPart` over every sharded
+    buffer."""
 
     def __init__(
         self,

@@ -1,9 +1,10 @@
 """Owner assignment for layerwise mode: who steps which whole matrix.
 
-Pure functions, no torch. A whole-tensor optimizer such as Muon costs each rank the
-Newton–Schulz work of the matrices it owns, so owners are chosen to balance that cost
-while every rank's shard stays close to the same number of elements (padding is the gap
-between a rank's elements and the largest rank's).
+Pure functions, no torch. A whole-tensor optimizer costs each rank the work of the params it
+owns — ``cost(shape)``, a field of the plan request (Muon's Newton–Schulz estimate lives with
+Muon, aligndp/optim/muon.py) — so owners are chosen to balance that cost while every rank's
+shard stays close to the same number of elements (padding is the gap between a rank's
+elements and the largest rank's).
 """
 
 from __future__ import annotations
@@ -11,38 +12,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["newton_schulz_cost", "assign_owners", "group_layerwise_buckets"]
+from aligndp.plan.spec import OwnerCost, round_up
 
-
-def newton_schulz_cost(shape: Sequence[int]) -> float:
-    """Estimated flops-proportional cost of orthogonalising a param of ``shape``.
-
-    One Newton–Schulz iteration on an m×n matrix costs O(max(m,n)·min(m,n)²) (the Gram
-    matrix and its products are min×min). Params that are not 2-D are not orthogonalised by
-    Muon; they count their numel so that they still spread across ranks.
-    """
-    if len(shape) == 2:
-        m, n = shape
-        return float(max(m, n) * min(m, n) ** 2)
-    return float(math.prod(shape))
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+__all__ = ["assign_owners", "group_layerwise_buckets"]
 
 
 def assign_owners(
     buckets: Sequence[Sequence[Sequence[int]]],
     *,
     dp_size: int,
+    cost: OwnerCost,
     alignment: int = 1,
     numel_slack: float = 0.005,
 ) -> list[list[int]]:
     """Owner rank of each param of each bucket (``buckets[b][i]`` is a shape).
 
-    Greedy longest-processing-time: within a bucket, params in decreasing cost go to the rank
-    with the least total cost so far (across all buckets, so small buckets don't pile onto
-    rank 0), among ranks whose shard in this bucket stays under a numel cap of
+    Greedy longest-processing-time: within a bucket, params in decreasing ``cost(shape)`` go to
+    the rank with the least total cost so far (across all buckets, so small buckets don't pile
+    onto rank 0), among ranks whose shard in this bucket stays under a numel cap of
     ``max(largest param, (1 + numel_slack) · bucket numel / dp_size)``; if no rank fits, the
     rank with the fewest elements in this bucket. Ties break on the lower rank, so the result
     is deterministic.
@@ -53,20 +40,25 @@ def assign_owners(
     result: list[list[int]] = []
     for shapes in buckets:
         owners, _, totals = _assign_bucket(
-            shapes, totals, alignment=alignment, numel_slack=numel_slack
+            shapes, totals, cost=cost, alignment=alignment, numel_slack=numel_slack
         )
         result.append(owners)
     return result
 
 
 def _assign_bucket(
-    shapes: Sequence[Sequence[int]], totals: Sequence[float], *, alignment: int, numel_slack: float
+    shapes: Sequence[Sequence[int]],
+    totals: Sequence[float],
+    *,
+    cost: OwnerCost,
+    alignment: int,
+    numel_slack: float,
 ) -> tuple[list[int], list[int], list[float]]:
     """One bucket of :func:`assign_owners`: (owners, aligned elements per rank, new cost totals)."""
     dp_size = len(totals)
     totals = list(totals)
-    sizes = [_round_up(math.prod(s), alignment) for s in shapes]
-    costs = [newton_schulz_cost(s) for s in shapes]
+    sizes = [round_up(math.prod(s), alignment) for s in shapes]
+    costs = [float(cost(tuple(s))) for s in shapes]
     cap = max(max(sizes, default=0), math.ceil((1 + numel_slack) * sum(sizes) / dp_size))
     used = [0] * dp_size
     owners = [0] * len(shapes)
@@ -87,6 +79,7 @@ def group_layerwise_buckets(
     *,
     dp_size: int,
     bucket_numel: int | None,
+    cost: OwnerCost,
     alignment: int = 1,
     shard_alignment: int = 1,
     max_padding: float = 0.005,
@@ -109,9 +102,9 @@ def group_layerwise_buckets(
 
     def padded(start: int, end: int, totals: list[float]) -> tuple[int, list[float]]:
         _, used, totals = _assign_bucket(
-            shapes[start:end], totals, alignment=alignment, numel_slack=numel_slack
+            shapes[start:end], totals, cost=cost, alignment=alignment, numel_slack=numel_slack
         )
-        return dp_size * _round_up(max(used), shard_alignment), totals
+        return dp_size * round_up(max(used), shard_alignment), totals
 
     bounds: list[tuple[int, int]] = []
     history = [[0.0] * dp_size]  # cost totals before each bucket

@@ -119,8 +119,8 @@ def route_params(model: nn.Module, *, muon_filter: MuonFilter | None = None) -> 
             reason = None if predicate(name, p, owners[id(p)][0][1]) else "filter"
             if reason is None and p.ndim != 2:
                 raise ValueError(
-                    f"muon_filter selected param {name!r} of shape {tuple(p.shape)}, but Muon steps 2-D "
-                    "matrices only; exclude it from the filter (it will go to AdamW)"
+                    f"muon_filter selected param {name!r} of shape {tuple(p.shape)}, but Muon "
+                    "steps 2-D matrices only; exclude it from the filter (it will go to AdamW)"
                 )
         if reason is None:
             muon.append(name)

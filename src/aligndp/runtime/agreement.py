@@ -31,6 +31,7 @@ import hashlib
 import os
 import re
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,9 +58,20 @@ class RanksOutOfStepError(RuntimeError):
 # ---- wrap-time agreement ([Note: ranks agree]) ----
 
 
+class _ParamSummary(NamedTuple):
+    """What the ranks compare of one param (sent with ``all_gather_object``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+
 def _summary(named_params: Iterable[tuple[str, torch.Tensor]], layouts: Sequence) -> dict:
     params = [
-        (name, tuple(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad))
+        _ParamSummary(
+            name, tuple(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)
+        )
         for name, p in named_params
     ]
     return {"params": params, "layouts": [layout.to_dict() for layout in layouts]}
@@ -69,11 +81,11 @@ def _digest(summary: dict) -> str:
     return hashlib.sha256(repr(summary).encode()).hexdigest()
 
 
-def _param_difference(rank: int, mine: list, ref: list) -> str | None:
+def _param_difference(rank: int, mine: list[_ParamSummary], ref: list[_ParamSummary]) -> str | None:
     """The first way rank ``rank``'s params (``mine``) differ from rank 0's (``ref``)."""
-    have, want = {p[0]: p for p in mine}, {p[0]: p for p in ref}
-    only_here = [p[0] for p in mine if p[0] not in want]
-    only_there = [p[0] for p in ref if p[0] not in have]
+    have, want = {p.name: p for p in mine}, {p.name: p for p in ref}
+    only_here = [p.name for p in mine if p.name not in want]
+    only_there = [p.name for p in ref if p.name not in have]
     if only_here or only_there:
         where = (
             f"{only_here[0]!r} exists only on rank {rank}"
@@ -81,20 +93,18 @@ def _param_difference(rank: int, mine: list, ref: list) -> str | None:
             else f"{only_there[0]!r} exists only on rank 0"
         )
         return f"rank {rank} has {len(mine)} params and rank 0 has {len(ref)}: {where}"
-    for name, shape, dtype, requires_grad in mine:
-        _, ref_shape, ref_dtype, ref_requires_grad = want[name]
-        for what, value, ref_value in (
-            ("shape", shape, ref_shape),
-            ("dtype", dtype, ref_dtype),
-            ("requires_grad", requires_grad, ref_requires_grad),
-        ):
+    for p in mine:
+        for what in ("shape", "dtype", "requires_grad"):
+            value, ref_value = getattr(p, what), getattr(want[p.name], what)
             if value != ref_value:
-                return f"param {name!r} has {what} {value} on rank {rank} but {ref_value} on rank 0"
-    if [p[0] for p in mine] != [p[0] for p in ref]:
-        first = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a[0] != b[0])
+                return (
+                    f"param {p.name!r} has {what} {value} on rank {rank} but {ref_value} on rank 0"
+                )
+    if [p.name for p in mine] != [p.name for p in ref]:
+        first = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a.name != b.name)
         return (
-            f"the params are registered in another order: position {first} is {mine[first][0]!r} on "
-            f"rank {rank} but {ref[first][0]!r} on rank 0"
+            f"the params are registered in another order: position {first} is "
+            f"{mine[first].name!r} on rank {rank} but {ref[first].name!r} on rank 0"
         )
     return None
 
@@ -106,8 +116,9 @@ def _layout_difference(rank: int, mine: list[dict], ref: list[dict]) -> str:
         for key in b:
             if a.get(key) != b[key]:
                 return (
-                    f"gradient buffer {index} differs in {key!r} between rank {rank} and rank 0 (check that "
-                    "bucket_numel, start_alignment, grad_dtype, sharding and wgrad are the same on every rank)"
+                    f"gradient buffer {index} differs in {key!r} between rank {rank} and rank 0 "
+                    "(check that bucket_numel, start_alignment, grad_dtype, sharding and wgrad are "
+                    "the same on every rank)"
                 )
     return f"rank {rank} planned another layout than rank 0"
 
@@ -143,8 +154,9 @@ def check_ranks_agree(
         if diff is None:
             diff = _layout_difference(rank, summaries[rank]["layouts"], ref["layouts"])
         raise ValueError(
-            f"ranks disagree on the model being wrapped: {diff}. Every rank must build the same model "
-            "(same code, config and seed) with the same aligndp settings before aligndp.parallelize"
+            f"ranks disagree on the model being wrapped: {diff}. Every rank must build the same "
+            "model (same code, config and seed) with the same aligndp settings before "
+            "aligndp.parallelize"
         )
 
 
@@ -204,7 +216,8 @@ def prepare_side_group(
         subgroup = len(ranks) < dist.get_world_size()
         if renew and subgroup and ranks in _SIDE_GROUPS:
             raise ValueError(
-                f"prepare_side_group(renew=True) works for a group of every rank, not the subgroup {ranks}"
+                "prepare_side_group(renew=True) works for a group of every rank, not the "
+                f"subgroup {ranks}"
             )
         side = dist.new_group(
             list(ranks),
@@ -233,8 +246,9 @@ def expect_all_ranks(
     limit = collective_timeout(timeout)
     seconds = f"{limit.total_seconds():g} s"
     fix = (
-        f"{what} is collective: call it on every rank (not under `if rank == 0:`), at the same point of "
-        f"the program. Timeout: timeout= or {TIMEOUT_ENV} (seconds, default {DEFAULT_COLLECTIVE_TIMEOUT_S:g})"
+        f"{what} is collective: call it on every rank (not under `if rank == 0:`), at the same "
+        f"point of the program. Timeout: timeout= or {TIMEOUT_ENV} (seconds, default "
+        f"{DEFAULT_COLLECTIVE_TIMEOUT_S:g})"
     )
     rank = dist.get_rank(group)
     if _ranks(group) in _BROKEN:
@@ -258,5 +272,8 @@ def expect_all_ranks(
         elif rank == 0:
             who = f"not every rank reached it within {seconds}"
         else:
-            who = f"rank 0 did not reach it within {seconds} (it may have called it earlier and given up)"
+            who = (
+                f"rank 0 did not reach it within {seconds} (it may have called it earlier and "
+                "given up)"
+            )
         raise RanksOutOfStepError(f"rank {rank} called {what} but {who}: {fix}") from e

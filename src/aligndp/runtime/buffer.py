@@ -5,27 +5,52 @@ One :class:`FlatBuffer` per :class:`~aligndp.plan.layout.BufferLayout`: ``grad_d
 it, values preserved). Every param gets ``main_grad``, a view at its layout offset.
 
 [Note: alignment contract] continued: the layout fixes element offsets; this module makes
-the byte addresses follow. The storage is over-allocated and the buffer starts at the first
-address aligned to ``start_alignment * itemsize`` bytes, then every view's real
-``data_ptr()`` is checked — a CPU allocator only promises 64 B, an fp32 view with 64-element
-starts needs 256 B.
+the byte addresses follow. Storage comes from an :class:`Allocator` (the allocation hook of
+the collectives backend, [Note: collectives seam] in collectives.py); the default one
+over-allocates and starts the buffer at the first address aligned to
+``start_alignment * itemsize`` bytes. Whatever allocator made it, the buffer's real
+``data_ptr()`` and every view's are checked — a CPU allocator only promises 64 B, an fp32
+view with 64-element starts needs 256 B.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from aligndp.plan.layout import BufferLayout, ParamSlot, validate
 
-__all__ = ["FlatBuffer", "aligned_empty", "check_pointer_alignment"]
+__all__ = [
+    "Allocator",
+    "AlignedAllocator",
+    "FlatBuffer",
+    "aligned_empty",
+    "check_allocation",
+    "check_pointer_alignment",
+]
+
+
+class Allocator(Protocol):
+    """Where a :class:`FlatBuffer` gets its storage (a collectives backend is one)."""
+
+    name: str
+    """Named in errors about the storage it returned."""
+
+    def allocate(
+        self, numel: int, *, dtype: torch.dtype, device: torch.device, align_bytes: int
+    ) -> torch.Tensor:
+        """A contiguous 1-D tensor of ``numel`` elements whose ``data_ptr()`` is a multiple
+        of ``align_bytes``; its values do not matter (the buffer zeroes it)."""
+        ...
 
 
 def aligned_empty(
     numel: int, *, dtype: torch.dtype, device: torch.device, align_bytes: int
 ) -> torch.Tensor:
-    """A zeroed 1-D tensor of ``numel`` elements whose ``data_ptr()`` is a multiple of ``align_bytes``."""
+    """A zeroed 1-D tensor of ``numel`` elements whose ``data_ptr()`` is a multiple of
+    ``align_bytes``."""
     item = dtype.itemsize
     slack = max(align_bytes // item, 1)
     raw = torch.zeros(numel + slack, dtype=dtype, device=device)
@@ -34,6 +59,47 @@ def aligned_empty(
         "allocation not aligned to the element size"
     )
     return raw[skip : skip + numel]
+
+
+class AlignedAllocator:
+    """The default allocation: torch's allocator, over-allocated (:func:`aligned_empty`)."""
+
+    name = "torch"
+
+    def allocate(
+        self, numel: int, *, dtype: torch.dtype, device: torch.device, align_bytes: int
+    ) -> torch.Tensor:
+        return aligned_empty(numel, dtype=dtype, device=device, align_bytes=align_bytes)
+
+
+def check_allocation(
+    tensor: torch.Tensor,
+    *,
+    allocator: str,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    align_bytes: int,
+) -> None:
+    """Raise ``ValueError`` unless ``allocator``'s ``tensor`` is what was asked for: a
+    contiguous 1-D ``numel``-element ``dtype`` tensor on ``device`` at an ``align_bytes``
+    multiple."""
+    got = (tuple(tensor.shape), tensor.dtype, tensor.device, tensor.is_contiguous())
+    if got != ((numel,), dtype, device, True):
+        raise ValueError(
+            f"collectives backend {allocator!r} allocated a {tuple(tensor.shape)} {tensor.dtype} "
+            f"tensor on {tensor.device} (contiguous: {tensor.is_contiguous()}) when asked for "
+            f"a contiguous ({numel},) {dtype} tensor on {device}: fix its allocate()"
+        )
+    ptr = tensor.data_ptr()
+    if ptr % align_bytes:
+        raise ValueError(
+            f"collectives backend {allocator!r} allocated a buffer at address {ptr:#x}, "
+            f"{ptr % align_bytes} B past a {align_bytes}-byte boundary: the layout's "
+            f"{align_bytes // dtype.itemsize}-element starts of {dtype} need {align_bytes}-byte "
+            "aligned addresses ([Note: alignment contract]); its allocate() must return "
+            "storage aligned to align_bytes"
+        )
 
 
 def check_pointer_alignment(
@@ -59,8 +125,10 @@ class FlatBuffer:
         params: Sequence[torch.nn.Parameter],
         *,
         with_param_data: bool = False,
+        allocator: Allocator | None = None,
     ) -> None:
-        """``params`` in registration order, matching the layout's slots by ``index``."""
+        """``params`` in registration order, matching the layout's slots by ``index``;
+        ``allocator``: where the storage comes from (default :class:`AlignedAllocator`)."""
         validate(layout)
         slots = sorted(layout.params, key=lambda s: s.index)
         if len(slots) != len(params):
@@ -68,18 +136,20 @@ class FlatBuffer:
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(
-                f"params of one buffer live on {len(devices)} devices {sorted(map(str, devices))}: "
-                "move the whole module to one device (module.to(device)) before wrapping it"
+                f"params of one buffer live on {len(devices)} devices "
+                f"{sorted(map(str, devices))}: move the whole module to one device "
+                "(module.to(device)) before wrapping it"
             )
         self.layout = layout
         self.device = devices.pop()
+        self.allocator: Allocator = allocator if allocator is not None else AlignedAllocator()
         self.params: list[torch.nn.Parameter] = list(params)
         self.slots: list[ParamSlot] = slots
         for p, s in zip(params, slots):
             if tuple(p.shape) != s.shape or p.dtype != layout.param_dtype:
                 raise ValueError(
-                    f"param {s.name!r} is {tuple(p.shape)} {p.dtype} but the layout planned {s.shape} "
-                    f"{layout.param_dtype}: plan the layout from this module's params"
+                    f"param {s.name!r} is {tuple(p.shape)} {p.dtype} but the layout planned "
+                    f"{s.shape} {layout.param_dtype}: plan the layout from this module's params"
                 )
         self.grad_data = self._allocate(layout.grad_dtype)
         self.param_data = self._allocate(layout.param_dtype) if with_param_data else None
@@ -103,12 +173,20 @@ class FlatBuffer:
         return self.layout.start_alignment * dtype.itemsize
 
     def _allocate(self, dtype: torch.dtype) -> torch.Tensor:
-        return aligned_empty(
-            self.layout.padded_numel,
+        """The allocator's storage, checked ([Note: alignment contract]) and zeroed."""
+        numel, align_bytes = self.layout.padded_numel, self._align_bytes(dtype)
+        storage = self.allocator.allocate(
+            numel, dtype=dtype, device=self.device, align_bytes=align_bytes
+        )
+        check_allocation(
+            storage,
+            allocator=self.allocator.name,
+            numel=numel,
             dtype=dtype,
             device=self.device,
-            align_bytes=self._align_bytes(dtype),
+            align_bytes=align_bytes,
         )
+        return storage.zero_()  # padding is never written afterwards ([Note: lazy zeroing])
 
     def bucket_grad(self, bucket: int) -> torch.Tensor:
         b = self.layout.buckets[bucket]

@@ -8,13 +8,15 @@ own threads, so a launched collective overlaps the rest of backward):
     comm (NCCL stream / gloo)      └──── reduce bucket 0 ─────┘ └──── reduce bucket 1 ──── ┘
     end of backward (autograd callback): launch what is left, wait for all, agree, publish.
 
+``buckets_in_flight()`` lists the buckets launched and not yet waited for.
+
 [Note: step states] (DESIGN.md): IDLE after ``zero_grad``; ACCUMULATING while gradients
 arrive; REDUCED once a synchronised backward ended — its autograd callback launched what was
-left, waited, agreed with the other ranks in one small all-reduce (``_agree``) and published
+left, waited, agreed with the other ranks in one small all-reduce (step_flags.py) and published
 ``param.grad`` (the reduced view, or a ``ShardedGrad`` in sharded modes). A gradient arriving
 in REDUCED reopens the buffers first (``_reopen``), as torch accumulates into ``param.grad``.
 
-[Note: bucket readiness]
+[Note: bucket readiness] (DESIGN.md), as the code does it:
 Each param's autograd hook fires once per backward; a fused-wgrad layer marks its weight
 once per use. Readiness hints are the counts of the last synchronised backward: a bucket
 launches as soon as each of its params has fired as often as last time, and a bucket with a
@@ -49,92 +51,23 @@ from aligndp.plan.layout import (
     Mode,
     ParamSpec,
     Requirement,
-    plan_buffers,
 )
+from aligndp.plan.request import PlanRequest, plan_buffers
+from aligndp.plan.spec import check_bucket_numel, check_grad_dtype
 from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
 from aligndp.runtime.buffer import FlatBuffer
-from aligndp.runtime.grad_sync import BucketRef, GradSync, StepState, _Slot
-from aligndp.runtime.grads import ShardedGrad
+from aligndp.runtime.collective_backends import (
+    DEFAULT_COLLECTIVES,
+    check_collectives_name,
+    make_collectives,
+)
+from aligndp.runtime.grad_sync import GradSync
+from aligndp.runtime.step_state import BucketRef, GradSlot, StepState, grad_slots
+from aligndp.runtime.wrapped_param import binding, claim_params
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
 
 NONFINITE_ACTIONS = ("raise", "skip")
-
-_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-"""id(param) -> (the param, the DataParallel whose hooks take its gradients), both weakly:
-one owner at a time. (Tensors cannot be keys of a WeakKeyDictionary: it compares keys with ==.)"""
-
-
-def _owner_of(param: nn.Parameter) -> DataParallel | None:
-    entry = _OWNER.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-class _WrappedParameter(nn.Parameter):
-    """The class of a trainable ``nn.Parameter`` once a :class:`DataParallel` owns it: its
-    ``main_grad`` is its buffer view, zeroed on first touch after ``zero_grad`` ([Note: lazy
-    zeroing]), so Megatron / Transformer Engine style writes into ``param.main_grad`` count."""
-
-    @property
-    def main_grad(self) -> torch.Tensor:
-        owner = _owner_of(self)
-        if owner is None or owner._replaced:
-            raise AttributeError(
-                "main_grad: this param's DataParallel is gone; wrap the module again"
-            )
-        return owner.main_grad_view(self)
-
-    @main_grad.setter
-    def main_grad(self, value: torch.Tensor) -> None:
-        """Ignored: the owning DataParallel's view is authoritative (a new wrap's FlatBuffer
-        binds its views before it takes the params over from the old wrapper)."""
-
-    @property
-    def data(self) -> torch.Tensor:
-        """``param.data``, noted: a write through it bypasses torch's version counter, so the
-        owner compares this param with its fp32 master before the next step."""
-        owner = _owner_of(self)
-        if owner is not None:
-            owner.data_touched.add(self)
-        return _TENSOR_DATA.__get__(self)
-
-    @data.setter
-    def data(self, value: torch.Tensor) -> None:
-        """``param.data = t`` after wrapping copies ``t`` into the param's storage, which the
-        buffers own (a new storage would cut the param off from them)."""
-        if _BINDING:
-            _TENSOR_DATA.__set__(self, value)
-            return
-        current = _TENSOR_DATA.__get__(self)
-        if (
-            value.shape != current.shape
-            or value.dtype != current.dtype
-            or value.device != current.device
-        ):
-            raise ValueError(
-                f"param.data = a {tuple(value.shape)} {value.dtype} tensor on {value.device} after wrapping: the "
-                f"param is {tuple(current.shape)} {current.dtype} on {current.device} inside aligndp's flat "
-                "buffers; move or cast the module before aligndp.parallelize, or copy values in with p.copy_()"
-            )
-        current.copy_(value)
-        self.data  # noqa: B018 -- marks the write for the owner
-
-
-_TENSOR_DATA = torch.Tensor.data
-_BINDING = False
-"""True while a DataParallel binds params into its buffers (``p.data = view`` goes through)."""
-
-
-@contextlib.contextmanager
-def _binding() -> Iterator[None]:
-    global _BINDING
-    _BINDING = True
-    try:
-        yield
-    finally:
-        _BINDING = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +85,10 @@ class DDPConfig:
     start_alignment: int = DEFAULT_START_ALIGNMENT
     """Param start alignment in elements; requirements of active consumers can only raise it."""
     check_finite: bool = False
-    """Check every bucket's local grads for NaN/Inf before its collective (on the device, no
-    sync); the ranks agree at the end of backward and all act per ``on_nonfinite``."""
+    """Count every param's non-finite (NaN/Inf) local gradient elements before its bucket's
+    collective: one pass over each bucket, on the device, no host sync there. The counts ride
+    on the end-of-backward agreement, which is then read on the host once per step, and every
+    rank acts per ``on_nonfinite``."""
     on_nonfinite: str = "raise"
     """With ``check_finite``: ``"raise"`` a FloatingPointError naming the params on every
     rank, or ``"skip"`` the optimizer step on every rank (params and state untouched)."""
@@ -162,24 +97,20 @@ class DDPConfig:
     broadcast_buffers: bool = True
     """Copy rank 0's module buffers (BatchNorm statistics, ...) to every rank at the start of
     every forward through the wrapper, as torch DDP's ``broadcast_buffers=True``."""
+    collectives: str = DEFAULT_COLLECTIVES
+    """Name of the collectives backend that reduces and gathers the buckets and allocates the
+    buffers ([Note: collectives seam] in aligndp/runtime/collectives.py): ``"torch"`` is
+    torch.distributed on the process group; others are registered with
+    ``aligndp.runtime.collective_backends.register_collectives``."""
 
     def __post_init__(self) -> None:
-        if self.bucket_numel is not None and (
-            not isinstance(self.bucket_numel, int) or self.bucket_numel <= 0
-        ):
-            raise ValueError(
-                f"bucket_numel must be a positive number of elements or None (one bucket), got {self.bucket_numel!r}"
-            )
-        if self.grad_dtype is not None and not (
-            isinstance(self.grad_dtype, torch.dtype) and self.grad_dtype.is_floating_point
-        ):
-            raise TypeError(
-                f"grad_dtype must be a floating torch.dtype or None, got {self.grad_dtype!r}"
-            )
+        check_bucket_numel(self.bucket_numel)
+        check_grad_dtype(self.grad_dtype)
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(
                 f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}"
             )
+        check_collectives_name(self.collectives)
 
 
 class DataParallel(GradSync, nn.Module):
@@ -188,6 +119,8 @@ class DataParallel(GradSync, nn.Module):
     ``modes`` maps param names to a :class:`~aligndp.plan.layout.Mode` (default: every param
     replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
+    ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)
+    replaces ``modes`` and the config's planning fields.
     """
 
     def __init__(
@@ -198,6 +131,7 @@ class DataParallel(GradSync, nn.Module):
         config: DDPConfig = DDPConfig(),
         modes: Mapping[str, Mode] | None = None,
         requirements: Iterable[Requirement] = (),
+        plan: PlanRequest | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -211,17 +145,20 @@ class DataParallel(GradSync, nn.Module):
         self.config = config
         self.dp_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.collectives = make_collectives(config.collectives, group=process_group)
+        """The backend that reduces, gathers and allocates ([Note: collectives seam])."""
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
-                "the module has no trainable params (requires_grad=True): nothing to data-parallelise"
+                "the module has no trainable params (requires_grad=True): "
+                "nothing to data-parallelise"
             )
         devices = {p.device for _, p in named}
         if len(devices) > 1:
             where = {str(d): [n for n, p in named if p.device == d][:3] for d in devices}
             raise ValueError(
-                f"the module's params live on {len(devices)} devices ({where}): data parallelism needs one "
-                "device per rank; call module.to(device) before wrapping"
+                f"the module's params live on {len(devices)} devices ({where}): data "
+                "parallelism needs one device per rank; call module.to(device) before wrapping"
             )
         self.device = devices.pop()
         if self.device.type == "meta":
@@ -240,81 +177,59 @@ class DataParallel(GradSync, nn.Module):
             r for _, m in fused for r in m.wgrad_requirements()
         )
 
+        # [Note: one plan request] (aligndp/plan/request.py): ``plan`` is what parallelize()
+        # and `aligndp layout` plan; without one, config and modes make the request
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in named]
+        if plan is None:
+            plan = PlanRequest(
+                specs=tuple(specs),
+                dp_size=self.dp_size,
+                modes=modes,
+                bucket_numel=config.bucket_numel,
+                start_alignment=config.start_alignment,
+                grad_dtype=config.grad_dtype,
+            )
+        elif modes:
+            raise ValueError("give modes inside the plan request, not next to it")
         layouts = plan_buffers(
-            [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in named],
-            modes=modes,
-            dp_size=self.dp_size,
-            bucket_numel=config.bucket_numel,
-            requirements=self.requirements,
-            start_alignment=config.start_alignment,
-            grad_dtype=config.grad_dtype,
+            plan.bind(specs, dp_size=self.dp_size, requirements=self.requirements)
         )
-        if (
-            self.dp_size > 1
-        ):  # [Note: ranks agree] in aligndp/runtime/agreement.py, before any shape-dependent collective
+        if self.dp_size > 1:
+            # [Note: ranks agree] in agreement.py, before any shape-dependent collective
             check_ranks_agree(module.named_parameters(), layouts, group=process_group)
             prepare_side_group(process_group)
         if config.broadcast_at_wrap and self.dp_size > 1:
             self._broadcast_from_rank0()
         by_name = dict(named)
-        with _binding():
+        with binding():
             self.flat_buffers: list[FlatBuffer] = [
                 FlatBuffer(
                     layout,
                     [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
                     with_param_data=layout.mode is not Mode.REPLICATED,
+                    allocator=self.collectives,
                 )
                 for layout in layouts
             ]
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]
         """Trainable params in registration order (the order of the agreement flags)."""
-        self._slot: dict[nn.Parameter, _Slot] = {}
-        position = {p: k for k, p in enumerate(self.params)}
-        for i, buf in enumerate(self.flat_buffers):
-            for p, s, g in zip(buf.params, buf.slots, buf.main_grads):
-                owned = None
-                if buf.layout.mode is not Mode.REPLICATED:
-                    lo, hi = buf.layout.shard_range(s.bucket, self.rank)
-                    owned = (min(max(lo - s.start, 0), s.numel), min(max(hi - s.start, 0), s.numel))
-                self._slot[p] = _Slot(
-                    position[p],
-                    BucketRef(i, s.bucket),
-                    g,
-                    owned,
-                    ShardedGrad(p) if owned is not None else None,
-                )
-        self.bucket_refs: list[BucketRef] = [
-            BucketRef(i, b)
-            for i, buf in enumerate(self.flat_buffers)
-            for b in range(len(buf.layout.buckets))
-        ]
-
+        self._slot: dict[nn.Parameter, GradSlot]
+        self.bucket_refs: list[BucketRef]
+        self._slot, self.bucket_refs = grad_slots(self.flat_buffers, self.params, rank=self.rank)
         self._init_grad_sync()
         self.data_touched: set[nn.Parameter] = set()
-        """Params whose ``.data`` was used since the optimizer's last step (see _WrappedParameter)."""
+        """Params whose ``.data`` was used since the optimizer's last step (see
+        wrapped_param.WrappedParameter)."""
         self._param_gather = None
         self._joined: _Join | None = None
         self._replaced = False
-        self._eager_zero: set[nn.Parameter] = set()
         self._claim_params(fused)
 
     # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
     def _claim_params(self, fused) -> None:
+        self._eager_zero: set[nn.Parameter] = claim_params(self, self.params)
         me = weakref.ref(self)
-        for p in self.params:
-            old = _owner_of(p)
-            if old is not None and old is not self:
-                old.remove_hooks()
-                old._replaced = True
-            _OWNER[id(p)] = (weakref.ref(p), me)
-            if type(p) is nn.Parameter:  # main_grad becomes a property that zeroes a stale view
-                p.__class__ = _WrappedParameter
-                p.__dict__.pop("main_grad", None)
-            elif not isinstance(p, _WrappedParameter):
-                self._eager_zero.add(
-                    p
-                )  # another Parameter subclass keeps the attribute: zero it eagerly
 
         def hook(param: nn.Parameter, _me=me) -> None:
             owner = _me()
@@ -392,7 +307,7 @@ class DataParallel(GradSync, nn.Module):
             yield
         finally:
             self._joined = None
-        joined.leave()  # only after a normal exit: after an error the peers are not in step any more
+        joined.leave()  # only after a normal exit: after an error the peers are out of step
 
     def remove_hooks(self) -> None:
         """Detach from the module (hooks and fused-wgrad sinks); buffers stay bound."""
@@ -411,15 +326,15 @@ class _Join:
 
     def _still_training(self, flag: int) -> int:
         t = torch.tensor([flag], dtype=torch.int32, device=self.model.device)
-        dist.all_reduce(t, group=self.model.process_group)
+        self.model.collectives.all_reduce_sum(t)
         return int(t.item())
 
     def _message(self, training: int) -> str:
         ws = self.model.dp_size
         return (
-            f"uneven inputs: {ws - training} of {ws} rank(s) ran out of batches while {training} still "
-            "train; give every rank the same number of batches (e.g. DistributedSampler(drop_last=True), "
-            "or drop the last incomplete batch)"
+            f"uneven inputs: {ws - training} of {ws} rank(s) ran out of batches while "
+            f"{training} still train; give every rank the same number of batches (e.g. "
+            "DistributedSampler(drop_last=True), or drop the last incomplete batch)"
         )
 
     def forward(self) -> None:

@@ -1,67 +1,42 @@
-"""The gradient side of :class:`~aligndp.runtime.ddp.DataParallel`: hooks, readiness, reduction, step states.
+"""The gradient side of :class:`~aligndp.runtime.ddp.DataParallel`: hooks, readiness,
+reduction, step states.
 
 See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step states].
 :class:`GradSync` is a mixin: ``DataParallel`` provides ``params``, ``param_names``,
-``_slot``, ``bucket_refs``, ``flat_buffers``, ``config``, ``process_group``, ``rank``,
-``dp_size`` and ``device``, then calls :meth:`_init_grad_sync`.
+``_slot`` (a :class:`~aligndp.runtime.step_state.GradSlot` per param), ``bucket_refs``,
+``flat_buffers``, ``config``, ``collectives``, ``rank``, ``dp_size``, ``device``,
+``_eager_zero`` and ``_replaced``, and calls :meth:`_init_grad_sync`.
+
+``state`` changes in these named transitions only ([Note: step states]):
+
+    _begin_accumulating   IDLE -> ACCUMULATING      the first gradient of a new step
+    _reopen               REDUCED -> ACCUMULATING   a gradient after the reduction
+    finish_grad_sync      ACCUMULATING -> REDUCED   the end of a synchronised backward
+    zero_grad_buffer      any -> IDLE               a new step begins (``zero_grad``)
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from aligndp.plan.layout import Mode
-from aligndp.runtime.collectives import all_reduce_mean, reduce_scatter_mean
-from aligndp.runtime.grads import ShardedGrad, same_storage
+from aligndp.runtime.collectives import Work
+from aligndp.runtime.grads import same_storage
+from aligndp.runtime.step_flags import (
+    Agreed,
+    PendingFlags,
+    decode_flags,
+    encode_flags,
+    nonfinite_counts,
+    to_host_async,
+)
+from aligndp.runtime.step_state import BucketRef, RoundReport, StepState
 
-__all__ = ["BucketRef", "StepState", "RoundReport", "GradSync"]
-
-
-@dataclasses.dataclass(frozen=True)
-class BucketRef:
-    """One bucket of one buffer."""
-
-    buffer: int
-    bucket: int
-
-
-class StepState(enum.Enum):
-    """Where a :class:`DataParallel` is in its step ([Note: step states])."""
-
-    IDLE = "idle"
-    ACCUMULATING = "accumulating"
-    REDUCED = "reduced"
-
-
-@dataclasses.dataclass
-class _Slot:
-    """Where one trainable param lives: its buffer, bucket, ``main_grad`` view, and the
-    ``[lo, hi)`` of its flattened elements this rank owns after a reduce-scatter (sharded and
-    layer-wise buffers; ``None`` when replicated)."""
-
-    index: int
-    ref: BucketRef
-    view: torch.Tensor
-    owned: tuple[int, int] | None
-    sharded_grad: ShardedGrad | None
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundReport:
-    """What the last synchronised backward did (for tests, logs and benchmarks)."""
-
-    launched_during_backward: int
-    """Buckets whose collective started before the end of backward (overlap)."""
-    buckets: int
-    used: int
-    """Params that had a gradient on at least one rank."""
+__all__ = ["GradSync"]
 
 
 class GradSync:
@@ -73,22 +48,21 @@ class GradSync:
         }
         self._position = {ref: k for k, ref in enumerate(self.bucket_refs)}
         self.state = StepState.IDLE
-        self._pending_flags = None
+        self._pending_flags: PendingFlags | None = None
         self.reduction_listeners: list = []
         """Called after each reduction has published ``param.grad`` (optimizers mark the tensors
         they step, e.g. ZeRO-1's fp32 masters, the same way)."""
-        self._expected: dict[nn.Parameter, int] | None = (
-            None  # readiness hints ([Note: bucket readiness])
-        )
+        self._expected: dict[nn.Parameter, int] | None = None  # [Note: bucket readiness]
         self._fired: dict[nn.Parameter, int] = dict.fromkeys(self.params, 0)
         self._stale: set[nn.Parameter] = set(self.params)  # [Note: lazy zeroing]
-        self._used: set[nn.Parameter] = (
-            set()
-        )  # had a gradient on this rank since the last reduction
+        self._used: set[nn.Parameter] = set()  # had a gradient on this rank since the reduction
         self._published: set[nn.Parameter] = set()  # param.grad set by us ([Note: step states])
         self._problems: dict[str, set[nn.Parameter]] = {"late": set(), "stale_read": set()}
         self._nonfinite: torch.Tensor | None = None
-        self._works: dict[BucketRef, dist.Work | None] = {}
+        self._finite_spans = (
+            {ref: self._spans(ref) for ref in self.bucket_refs} if self.config.check_finite else {}
+        )
+        self._works: dict[BucketRef, Work | None] = {}
         self._next_launch = 0
         self._launched_in_backward = 0
         self._sync_enabled = True
@@ -98,7 +72,8 @@ class GradSync:
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
         self.reductions = 0
-        """Counts reductions and zero_grads: what optimizers bound to the gradients is valid while it is unchanged."""
+        """Counts reductions and zero_grads: what optimizers bound to the gradients is valid
+        while it is unchanged."""
 
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/plan/fused.py) ----
     def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
@@ -114,13 +89,20 @@ class GradSync:
         step counts as giving the param a gradient (it is reduced and stepped)."""
         self._take(param)
         if self.state is StepState.IDLE:
-            self.state = StepState.ACCUMULATING
+            self._begin_accumulating()
         return self._slot[param].view
 
     def mark_ready(self, param: nn.Parameter) -> None:
+        """A fused-wgrad kernel has accumulated ``param``'s gradient into its view."""
         self._queue_end_of_backward()
         self._reopen()
+        self._begin_accumulating()
         self._arrived(param)
+
+    def buckets_in_flight(self) -> list[BucketRef]:
+        """Buckets whose gradient collective was launched and not yet waited for, in launch
+        order (read-only; empty outside a synchronised backward)."""
+        return list(self._works)
 
     # ---- hooks ----
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -129,10 +111,8 @@ class GradSync:
             return
         self._queue_end_of_backward()
         view = self._slot[param].view
-        if (
-            param in self._published
-        ):  # autograd accumulated onto the visible grad (no forward through us)
-            self._published.discard(param)
+        if param in self._published:  # autograd accumulated onto the visible grad
+            self._published.discard(param)  # (no forward through us): it is the new total
             if not same_storage(grad, view):
                 view.copy_(grad.view_as(view))
             self._reopen()  # the other visible grads
@@ -144,10 +124,11 @@ class GradSync:
             else:
                 view.add_(grad.view_as(view))
         param.grad = None
+        self._begin_accumulating()
         self._arrived(param)
 
     def _arrived(self, param: nn.Parameter) -> None:
-        self.state = StepState.ACCUMULATING
+        assert self.state is StepState.ACCUMULATING, "a gradient arrives in ACCUMULATING only"
         self._used.add(param)
         if param in self._unwaited:
             self._problems["stale_read"].add(param)
@@ -176,9 +157,18 @@ class GradSync:
             self._stale.discard(param)
             self._slot[param].view.zero_()
 
+    # ---- the named transitions ([Note: step states]) ----
+    def _begin_accumulating(self) -> None:
+        """IDLE -> ACCUMULATING: the first gradient of a new step (after ``zero_grad``) — a
+        hook, a fused kernel's ``mark_ready`` or a touch of ``param.main_grad``. A no-op in
+        ACCUMULATING; REDUCED must :meth:`_reopen` first."""
+        assert self.state is not StepState.REDUCED, "reopen the reduced grads first"
+        self.state = StepState.ACCUMULATING
+
     @torch.no_grad()
     def _reopen(self) -> None:
-        """REDUCED -> ACCUMULATING: make the buffers hold the visible grads again ([Note: step states])."""
+        """REDUCED -> ACCUMULATING: make the buffers hold the visible grads again
+        ([Note: step states]); a no-op in any other state."""
         if self.state is not StepState.REDUCED:
             return
         self.state = StepState.ACCUMULATING
@@ -220,40 +210,51 @@ class GradSync:
                     p
                 )  # written since zero_grad: by autograd, a fused kernel or the user
             self._take(p)
-        if self.config.check_finite:
-            self._check_finite(ref)
         grad = buf.bucket_grad(ref.bucket)
+        if self.config.check_finite:
+            self._check_finite(ref, grad)
         if self.dp_size == 1:
             self._works[ref] = None
         elif buf.layout.mode is Mode.REPLICATED:
-            self._works[ref] = all_reduce_mean(grad, group=self.process_group)
+            self._works[ref] = self.collectives.all_reduce_mean(grad)
         else:
-            self._works[ref] = reduce_scatter_mean(grad, group=self.process_group)
+            self._works[ref] = self.collectives.reduce_scatter_mean(grad)
         self._next_launch += 1
 
-    def _check_finite(self, ref: BucketRef) -> None:
-        """Count non-finite local gradient elements per param, on the device (no sync)."""
+    def _spans(self, ref: BucketRef) -> torch.Tensor:
+        """``(3, k)`` int64 on the device: flag index, start and end (in the bucket) of each
+        of the bucket's k params, for :meth:`_check_finite`."""
+        buf = self.flat_buffers[ref.buffer]
+        first = buf.layout.buckets[ref.bucket].start
+        rows = [
+            (self._slot[p].index, s.start - first, s.end - first)
+            for p, s in zip(buf.params, buf.slots)
+            if s.bucket == ref.bucket
+        ]
+        return torch.tensor(rows, dtype=torch.int64).t().contiguous().to(self.device)
+
+    def _check_finite(self, ref: BucketRef, grad: torch.Tensor) -> None:
+        """Count non-finite local gradient elements per param: one pass over the bucket, on
+        the device (no host sync; the counts are read with the agreement)."""
         if self._nonfinite is None:
             self._nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        params = self._bucket_params[ref]
-        index = torch.tensor([self._slot[p].index for p in params])
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        counts = torch.stack([(~torch.isfinite(self._slot[p].view)).sum() for p in params])
+        index, starts, ends = self._finite_spans[ref]
+        counts = nonfinite_counts(grad, starts=starts, ends=ends)
         self._nonfinite.index_add_(0, index, counts.to(torch.int32))
 
     def finish_grad_sync(self) -> None:
         """Reduce what has accumulated (launch every bucket not yet launched, wait for all),
-        agree with the other ranks and publish ``param.grad``; a no-op unless ACCUMULATING.
-        Runs by itself at the end of every synchronised backward.
+        agree with the other ranks and publish ``param.grad``: ACCUMULATING -> REDUCED, a
+        no-op in any other state. Runs by itself at the end of every synchronised backward.
 
-        [Note: agreement without a host sync] The flags' all-reduce is always launched, but
-        read on the host only when this rank needs the answer now: some param had no gradient
-        here (is it used elsewhere?) or ``check_finite`` (skip or raise before the step). When
-        every param had a gradient here, every param has one globally, so nothing waits: the
-        flags are copied to pinned memory behind an event, and the problems they may carry
-        (rare: a fused layer used more often, a stale read) are raised at the end of the next
-        reduction, on every rank alike."""
+        [Note: agreement without a host sync]
+        The flags' all-reduce is always launched, but read on the host only when this rank
+        needs the answer now: some param had no gradient here (is it used elsewhere?) or
+        ``check_finite`` (skip or raise before the step). When every param had a gradient
+        here, every param has one globally, so nothing waits: the flags are copied to pinned
+        memory behind an event, and the problems they may carry (rare: a fused layer used
+        more often, a stale read) are raised at the end of the next reduction, on every rank
+        alike."""
         if self.state is not StepState.ACCUMULATING:
             return
         self._raise_pending_problems()
@@ -265,7 +266,7 @@ class GradSync:
         flags = self._flags()
         if len(self._used) == len(self.params) and not self.config.check_finite:
             used, nonfinite, problems = self.params, "", ""
-            self._pending_flags = self._to_host_async(flags)
+            self._pending_flags = to_host_async(flags)
         else:
             used, nonfinite, problems = self._decode(flags.tolist())
         self.last_round = RoundReport(self._launched_in_backward, len(self.bucket_refs), len(used))
@@ -284,95 +285,57 @@ class GradSync:
             listener()
         self.nonfinite = None
         if nonfinite:
+            skip = self.config.on_nonfinite == "skip"
             self.nonfinite = (
                 f"non-finite (NaN/Inf) gradient elements before the reduction: {nonfinite}; "
                 + (
                     "the optimizer step is skipped on every rank"
-                    if self.config.on_nonfinite == "skip"
-                    else "lower the learning rate or check the loss, then call opt.zero_grad() to drop this step "
-                    "(or parallelize(..., on_nonfinite='skip') to skip such steps on every rank)"
+                    if skip
+                    else "lower the learning rate or check the loss, then call opt.zero_grad() "
+                    "to drop this step (or parallelize(..., on_nonfinite='skip') to skip such "
+                    "steps on every rank)"
                 )
             )
-            if self.config.on_nonfinite == "raise":
+            if not skip:
                 raise FloatingPointError(self.nonfinite)
         if problems:
             raise RuntimeError(problems)
 
     def _flags(self) -> torch.Tensor:
-        """This rank's int32 flags, all-reduced over the ranks (sum): per param used / late /
-        stale read, then (``check_finite``) per-param non-finite counts and per-rank totals."""
-        n = len(self.params)
-        flags = [1 if p in self._used else 0 for p in self.params]
-        for kind in ("late", "stale_read"):
-            flags += [1 if p in self._problems[kind] else 0 for p in self.params]
-        local = torch.tensor(flags, dtype=torch.int32)
-        if self.device.type == "cuda":
-            local = local.pin_memory().to(self.device, non_blocking=True)
+        """This rank's flags (step_flags.py), summed over the ranks."""
+        nonfinite = None
         if self.config.check_finite:
-            counts = (
-                self._nonfinite
-                if self._nonfinite is not None
-                else torch.zeros(n, dtype=torch.int32, device=self.device)
-            )
-            on_rank = torch.zeros(self.dp_size, dtype=torch.int32, device=self.device)
-            on_rank[self.rank] = counts.sum()
-            local = torch.cat([local, counts, on_rank])
+            nonfinite = self._nonfinite
+            if nonfinite is None:
+                nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
+        local = encode_flags(
+            self.params,
+            used=self._used,
+            late=self._problems["late"],
+            stale_read=self._problems["stale_read"],
+            nonfinite=nonfinite,
+            rank=self.rank,
+            dp_size=self.dp_size,
+            device=self.device,
+        )
         if self.dp_size > 1:
-            dist.all_reduce(local, group=self.process_group)
+            self.collectives.all_reduce_sum(local)
         return local
 
-    def _to_host_async(self, flags: torch.Tensor):
-        """``(host tensor, event or None)``: the flags copied without waiting for them."""
-        if flags.device.type != "cuda":
-            return flags, None
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+    def _decode(self, values: list[int]) -> Agreed:
+        return decode_flags(values, params=self.params, names=self.param_names)
 
     def _raise_pending_problems(self) -> None:
-        """Problems the last unread agreement carried (long finished by now): raise them everywhere."""
+        """Problems the last unread agreement carried (long finished by now): raise them
+        everywhere."""
         pending, self._pending_flags = self._pending_flags, None
         if pending is None:
             return
-        host, event = pending
-        if event is not None:
-            event.synchronize()
-        _, _, problems = self._decode(host.tolist())
+        if pending.event is not None:
+            pending.event.synchronize()
+        problems = self._decode(pending.host.tolist()).problems
         if problems:
             raise RuntimeError(f"in the previous step: {problems}")
-
-    def _decode(self, values: list[int]) -> tuple[list[nn.Parameter], str, str]:
-        """The agreed flags: params used on some rank, the non-finite message, the problems."""
-        n = len(self.params)
-        used = [p for p, v in zip(self.params, values[:n]) if v]
-        late = [self.param_names[p] for p, v in zip(self.params, values[n : 2 * n]) if v]
-        stale = [self.param_names[p] for p, v in zip(self.params, values[2 * n : 3 * n]) if v]
-        nonfinite = ", ".join(
-            f"{self.param_names[p]!r}: {v} element(s)"
-            for p, v in zip(self.params, values[3 * n : 4 * n])
-            if v
-        )
-        if nonfinite:
-            ranks = [r for r, v in enumerate(values[4 * n :]) if v]
-            nonfinite = f"{nonfinite} on " + ", ".join(f"rank {r}" for r in ranks)
-        problems = []
-        if late:
-            problems.append(
-                f"params {late[:5]} received a gradient after their bucket's collective started "
-                "(a fused-wgrad layer used more often than in the previous step); that contribution "
-                "is lost: call opt.zero_grad() and repeat the step, or build the model so every "
-                "fused layer is used the same number of times per step"
-            )
-        if stale:
-            problems.append(
-                f"params {stale[:5]} were read in forward before their all-gather was waited for "
-                "(read outside their own module's forward, e.g. F.linear(x, self.head.weight) or a "
-                "tied weight), so the forward used stale values: use overlap_param_gather=False, or "
-                "call the module that owns them"
-            )
-        return used, nonfinite, "; ".join(problems)
 
     def _reset_round(self) -> None:
         self._fired = dict.fromkeys(self._fired, 0)
@@ -415,7 +378,7 @@ class GradSync:
         self.zero_grad_buffer()
         if not set_to_none:
             self._used = set(self.params)
-            self.state = StepState.ACCUMULATING
+            self._begin_accumulating()
 
     def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The ``main_grad`` view of ``param`` after a reduction (this rank's shard is valid in

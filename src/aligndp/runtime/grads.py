@@ -16,8 +16,8 @@ import torch
 __all__ = ["ShardedGrad", "same_storage", "SHARDED_GRAD_HELP"]
 
 SHARDED_GRAD_HELP = (
-    "with sharding='zero1' (and optimizer='muon' layer-wise buffers) each rank holds only its shard "
-    "of the reduced gradient, so param.grad has no full value to compute with. Clip with "
+    "with sharding='zero1' (and optimizer='muon' layer-wise buffers) each rank holds only its "
+    "shard of the reduced gradient, so param.grad has no full value to compute with. Clip with "
     "aligndp.parallelize(..., max_grad_norm=c) or opt.clip_grad_norm_(c) (the global norm, one "
     "all-reduce), read the global norm with opt.grad_norm(), use bf16 autocast instead of an fp16 "
     "GradScaler, or use sharding='none' where every rank holds every reduced gradient"
@@ -42,7 +42,8 @@ class ShardedGrad(torch.Tensor):
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` is ``b`` or a view of the same elements (an alias of a ``main_grad`` view)."""
+    """True when ``a`` is ``b`` or a view of the same elements (an alias of a ``main_grad``
+    view)."""
     if a is b:
         return True
     if isinstance(a, ShardedGrad) or isinstance(b, ShardedGrad):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligndp.runtime.buffer import FlatBuffer
-from aligndp.runtime.collectives import all_gather_shards
+from aligndp.runtime.collectives import Collectives, TorchCollectives, Work
 
 __all__ = ["ParamGather"]
 
@@ -40,8 +40,10 @@ class ParamGather:
         group: dist.ProcessGroup | None,
         module: nn.Module | None = None,
         overlap: bool = False,
+        collectives: Collectives | None = None,
     ) -> None:
-        """``module`` (the wrapped model) is needed only when ``overlap`` installs pre-hooks."""
+        """``module`` (the wrapped model) is needed only when ``overlap`` installs pre-hooks;
+        ``collectives``: the model's backend bound to ``group`` (default: torch's)."""
         for buf in buffers:
             if buf.param_data is None:
                 raise ValueError(
@@ -50,11 +52,17 @@ class ParamGather:
                 )
         if overlap and module is None:
             raise ValueError("overlap=True waits in forward pre-hooks: pass the wrapped module")
+        if collectives is not None and collectives.group is not group:
+            raise ValueError(
+                f"the collectives backend {collectives.name!r} is bound to another process group "
+                "than group=: pass the model's process group and its collectives"
+            )
         self.buffers = list(buffers)
         self.group = group
-        self.dp_size = dist.get_world_size(group)
+        self.collectives = collectives if collectives is not None else TorchCollectives(group)
+        self.dp_size = self.collectives.dp_size
         self.overlap = overlap
-        self._pending: dict[BucketKey, dist.Work] = {}
+        self._pending: dict[BucketKey, Work] = {}
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
@@ -114,12 +122,11 @@ class ParamGather:
             self.wait_all()
 
     def launch_bucket(self, key: BucketKey) -> None:
-        """Start one bucket's all-gather now (every rank must start the same buckets in the same order)."""
+        """Start one bucket's all-gather now (every rank must start the same buckets in the
+        same order)."""
         i, b = key
         if self.dp_size > 1:
-            self._pending[key] = all_gather_shards(
-                self.buffers[i].bucket_param(b), group=self.group
-            )
+            self._pending[key] = self.collectives.all_gather_shards(self.buffers[i].bucket_param(b))
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""

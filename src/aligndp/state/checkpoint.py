@@ -4,11 +4,9 @@
 file holds ``model.<name>``, ``optim.state.<name>.<key>``, ``optim.param_groups``,
 ``buffers.<name>`` and the sidecar ``aligndp.json`` (step, param shapes, dp_size of the writer).
 
-Writes are sharded: a piece that is not the whole tensor becomes one shard of a 1-D
-``ShardedTensor`` (global metadata computed from one ``all_gather_object`` of piece extents,
-no per-tensor collective), so each rank writes only the elements it owns and DCP's
-load planner reads any other cut of them. Whole tensors (replicated params, scalars) are
-plain tensors that DCP deduplicates to one writer.
+Writes are sharded (aligndp/state/dcp_io.py): each rank writes only the elements it owns
+and DCP's load planner reads any other cut of them. The file checks live in
+aligndp/state/checkpoint_files.py.
 
 Atomicity: everything is written into ``<path>.partial``; after every rank has finished
 (barrier) rank 0 moves the old ``path`` aside, renames the new one into place and deletes
@@ -34,28 +32,30 @@ the old one. A save that raises part-way leaves ``path`` untouched.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import json
 import os
-import pickle
-import re
 import shutil
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from aligndp.runtime.agreement import expect_all_ranks
 from aligndp.runtime.ddp import DataParallel
+from aligndp.state.checkpoint_files import (
+    FORMAT,
+    META_FILE,
+    agreed,
+    check_target,
+    first_os_error,
+    on_rank_zero,
+    os_error_line,
+    prune_checkpoints,
+    read_dcp_metadata,
+    read_meta,
+)
+from aligndp.state.dcp_io import ParamGroups, to_dcp
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -71,16 +71,6 @@ __all__ = [
     "save",
     "torch_state_to_model_space",
 ]
-
-FORMAT = 1
-META_FILE = "aligndp.json"
-
-
-@dataclasses.dataclass
-class ParamGroups:
-    """Hyper-parameters of the optimizer's groups; one opaque DCP entry (DCP would flatten a bare list)."""
-
-    groups: list[dict]
 
 
 class _ReplicatedView:
@@ -106,9 +96,10 @@ class _ReplicatedView:
         }
         if self.optimizer is not None:
             inner, names = self._inner()
-            sd.update(
-                torch_state_to_model_space(inner, names, {n: (0, p.numel()) for n, p in self.named})
-            )
+            extents = {n: (0, p.numel()) for n, p in self.named}
+            # a bare torch optimizer next to plain DDP: what DDP users pass (AdamW, SGD) is
+            # elementwise; its state shaped like a param is per-element
+            sd.update(torch_state_to_model_space(inner, names, extents, elementwise=True))
         return sd
 
     @torch.no_grad()
@@ -122,65 +113,14 @@ class _ReplicatedView:
 def _view(model: DataParallel, optimizer):
     if not isinstance(model, DataParallel):
         raise TypeError(
-            f"save/load take the model returned by aligndp.parallelize(), got {type(model).__name__}"
+            "save/load take the model returned by aligndp.parallelize(), got "
+            f"{type(model).__name__}"
         )
     return (
         optimizer
         if hasattr(optimizer, "model_space_state_dict")
         else _ReplicatedView(model, optimizer)
     )
-
-
-def _to_dcp(entries: dict[str, object], group: dist.ProcessGroup | None) -> dict[str, object]:
-    """Turn FlatPieces into plain tensors (whole) or 1-D ShardedTensors (parts); one collective."""
-    mine = {
-        k: (v.offset, v.tensor.numel(), v.numel, str(v.tensor.dtype), str(v.tensor.device))
-        for k, v in entries.items()
-        if isinstance(v, FlatPiece)
-    }
-    everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine, group=group)
-    out = {k: v for k, v in entries.items() if not isinstance(v, FlatPiece)}
-    keys = sorted({k for d in everyone for k in d})
-    for key in keys:
-        shards = [(r, d[key]) for r, d in enumerate(everyone) if key in d and d[key][1] > 0]
-        local = entries.get(key)
-        if any(length == numel for _, (_, length, numel, _, _) in shards):
-            if local is not None and local.tensor.numel() == local.numel:
-                out[key] = local.tensor  # whole on every holder: DCP deduplicates
-            continue
-        out[key] = _sharded_tensor(key, shards, local, group)
-    return out
-
-
-def _sharded_tensor(key: str, shards: list, local: FlatPiece | None, group) -> ShardedTensor:
-    """A 1-D ShardedTensor whose shards are the ranks' pieces, built without communication."""
-
-    def global_rank(r: int) -> int:
-        return dist.get_global_rank(group, r) if group is not None else r
-
-    metas = {
-        r: ShardMetadata([off], [length], placement=f"rank:{global_rank(r)}/{device}")
-        for r, (off, length, _, _, device) in shards
-    }
-    numel, dtype = shards[0][1][2], getattr(torch, shards[0][1][3].removeprefix("torch."))
-    props = TensorProperties(
-        dtype=dtype,
-        layout=torch.strided,
-        requires_grad=False,
-        memory_format=torch.contiguous_format,
-        pin_memory=False,
-    )
-    md = ShardedTensorMetadata(list(metas.values()), torch.Size([numel]), props)
-    rank = dist.get_rank(group)
-    local_shards = [Shard(local.tensor, metas[rank])] if local is not None and rank in metas else []
-    with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore"
-        )  # ShardedTensor is deprecated in favour of DTensor, which cannot cut at arbitrary offsets
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local_shards, md, process_group=group
-        )
 
 
 def _entries(model: DataParallel, view) -> dict[str, object]:
@@ -212,74 +152,6 @@ def _other_tensors(model: DataParallel) -> dict[str, torch.Tensor]:
     }
 
 
-_DCP_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
-
-
-def _is_checkpoint_dir(path: str) -> bool:
-    """An aligndp checkpoint (or the remains of one being written): safe to replace."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        return False
-    names = os.listdir(path)
-    return not names or META_FILE in names or any(_DCP_FILE.match(n) for n in names)
-
-
-def _check_target(path: str) -> None:
-    """Refuse to write where a user's file or directory would be renamed or deleted."""
-    for where in (path, path + ".partial", path + ".old"):
-        if os.path.lexists(where) and not _is_checkpoint_dir(where):
-            kind = (
-                "a file"
-                if not os.path.isdir(where) or os.path.islink(where)
-                else "a directory that is not an aligndp checkpoint"
-            )
-            raise ValueError(
-                f"aligndp.save({path!r}) would replace {where!r}, which is {kind}; aligndp never "
-                "deletes or renames your files: save to a new path (or move that one away)"
-            )
-
-
-def _one_rank(fn, group) -> None:
-    """Run ``fn`` on rank 0 and raise its ValueError/OSError (as one line) on every rank."""
-    outcome = None
-    if dist.get_rank(group) == 0:
-        try:
-            fn()
-        except (ValueError, OSError) as e:
-            outcome = (type(e).__name__, str(e))
-    box = [outcome]
-    dist.broadcast_object_list(
-        box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
-    )
-    if box[0] is not None:
-        kind, message = box[0]
-        raise (ValueError if kind == "ValueError" else OSError)(message)
-
-
-def _os_error_line(e: BaseException) -> str:
-    """The reason of an OSError in a few words, with the file it was about."""
-    reasons = {
-        errno.ENOSPC: "no space left on the device",
-        errno.EDQUOT: "disk quota exceeded",
-        errno.EACCES: "permission denied",
-        errno.EPERM: "operation not permitted",
-        errno.EROFS: "the file system is read-only",
-    }
-    words = getattr(e, "strerror", None) or (str(e) or type(e).__name__).splitlines()[0]
-    reason = reasons.get(getattr(e, "errno", None), words)
-    where = getattr(e, "filename", None)
-    return f"{reason} ({where})" if where else reason
-
-
-def _first_os_error(e: CheckpointException) -> BaseException | None:
-    for exc, _ in e.failures.values():
-        seen = exc
-        while seen is not None:
-            if isinstance(seen, OSError):
-                return seen
-            seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def save(
     path: str | os.PathLike,
     model: DataParallel,
@@ -300,11 +172,12 @@ def save(
     partial = path + ".partial"
 
     def clear_partial() -> None:
-        _check_target(path)
+        check_target(path)
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that failed
 
-    _one_rank(clear_partial, group)
-    state = _to_dcp(_entries(model, view), group)
+    on_rank_zero(clear_partial, group)
+    # every rank raises the same error if one cannot express its state ([Note: checkpoint safety])
+    state = to_dcp(agreed(lambda: _entries(model, view), group), group)
     failure = None
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
@@ -313,19 +186,20 @@ def save(
     ) as e:  # a BaseException: `except Exception` in user code would miss it
         failure = e
     if failure is not None:
-        os_error = _first_os_error(failure)
+        os_error = first_os_error(failure)
         dist.barrier(group=group)  # every rank has stopped writing
         if dist.get_rank(group) == 0:
             shutil.rmtree(partial, ignore_errors=True)
         dist.barrier(group=group)
         first = next(iter(failure.failures.values()))[0]
         reason = (
-            _os_error_line(os_error) if os_error is not None else f"{type(first).__name__}: {first}"
+            os_error_line(os_error) if os_error is not None else f"{type(first).__name__}: {first}"
         )
         error = OSError if os_error is not None else RuntimeError
         raise error(
-            f"saving checkpoint {path!r} failed on rank(s) {sorted(failure.failures)}: {reason}; nothing "
-            "was left behind and the previous checkpoint there (if any) is intact"
+            f"saving checkpoint {path!r} failed on rank(s) {sorted(failure.failures)}: "
+            f"{reason}; nothing was left behind and the previous checkpoint there (if any) is "
+            "intact"
         ) from None
 
     def finish() -> None:
@@ -349,32 +223,11 @@ def save(
         except OSError as e:
             shutil.rmtree(partial, ignore_errors=True)
             raise OSError(
-                f"saving checkpoint {path!r} failed on rank 0: {_os_error_line(e)}; nothing was left "
-                "behind and the previous checkpoint there (if any) is intact"
+                f"saving checkpoint {path!r} failed on rank 0: {os_error_line(e)}; nothing was "
+                "left behind and the previous checkpoint there (if any) is intact"
             ) from None
 
-    _one_rank(finish, group)
-
-
-def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]:
-    """Delete all but the ``keep_last`` highest-step ``step-N`` checkpoints in ``directory``.
-
-    Only aligndp checkpoint directories named ``step-N`` are touched; returns the deleted paths.
-    Not collective: call it on one rank after :func:`save` returned.
-    """
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-    directory = os.fspath(directory)
-    found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        match = re.fullmatch(r"step-(\d+)", name)
-        full = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(full, META_FILE)):
-            found.append((int(match.group(1)), full))
-    doomed = [full for _, full in sorted(found)[:-keep_last]]
-    for full in doomed:
-        shutil.rmtree(full)
-    return doomed
+    on_rank_zero(finish, group)
 
 
 def _named(model: DataParallel) -> list[tuple[str, torch.nn.Parameter]]:
@@ -392,9 +245,9 @@ def _check_shapes(path: str, saved: dict[str, list[int]], model: DataParallel) -
     ]
     if missing or unexpected or mismatched:
         raise ValueError(
-            f"checkpoint {path!r} does not fit this model: missing (in the model, not the checkpoint) {missing}; "
-            f"unexpected (in the checkpoint, not the model) {unexpected}; shape mismatches {mismatched}. "
-            "Load it into the model that wrote it"
+            f"checkpoint {path!r} does not fit this model: missing (in the model, not the "
+            f"checkpoint) {missing}; unexpected (in the checkpoint, not the model) "
+            f"{unexpected}; shape mismatches {mismatched}. Load it into the model that wrote it"
         )
 
 
@@ -428,101 +281,6 @@ def _templates(model: DataParallel, view, metadata) -> dict[str, object]:
     return out
 
 
-def _read_meta(path: str) -> dict:
-    """``aligndp.json`` of the checkpoint at ``path``, or a one-line ValueError naming what is wrong."""
-    if not os.path.exists(path):
-        raise ValueError(
-            f"no aligndp checkpoint at {path!r}: the path does not exist; pass the path given to save()"
-        )
-    if not os.path.isdir(path):
-        raise ValueError(
-            f"{path!r} is a file, not an aligndp checkpoint (a directory written by aligndp.save)"
-        )
-    meta_path = os.path.join(path, META_FILE)
-    try:
-        with open(meta_path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ValueError(
-            f"no aligndp checkpoint at {path!r} ({META_FILE} is missing): pass the path given to "
-            "save(); a save that died before finishing leaves no aligndp.json"
-        ) from None
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as e:
-        what = "empty" if not text.strip() else f"not valid JSON ({e.msg} at line {e.lineno})"
-        raise ValueError(
-            f"checkpoint file {meta_path!r} is damaged: {what}; the checkpoint cannot be "
-            "trusted, load an earlier one"
-        ) from None
-    missing = [k for k in ("step", "shapes") if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise ValueError(
-            f"checkpoint file {meta_path!r} is damaged: it lacks {missing}; load an earlier checkpoint"
-        )
-    return meta
-
-
-def _read_dcp_metadata(path: str):
-    """DCP's ``.metadata`` of ``path``, and a check that every shard file it names is whole."""
-    metadata_path = os.path.join(path, ".metadata")
-    if not os.path.isfile(metadata_path):
-        raise ValueError(
-            f"checkpoint file {metadata_path!r} is missing: the checkpoint is incomplete, load an "
-            "earlier one"
-        )
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        OSError,
-        AttributeError,
-        ImportError,
-        IndexError,
-        KeyError,
-        TypeError,
-        ValueError,
-    ) as e:  # what unpickling a truncated or foreign file raises
-        raise ValueError(
-            f"checkpoint file {metadata_path!r} is damaged ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else 'truncated'}); load an earlier checkpoint"
-        ) from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(
-            needed.get(info.relative_path, 0), info.offset + info.length
-        )
-    for name, length in sorted(needed.items()):
-        shard = os.path.join(path, name)
-        if not os.path.isfile(shard):
-            raise ValueError(
-                f"checkpoint file {shard!r} is missing: the checkpoint is incomplete, load an earlier one"
-            )
-        size = os.path.getsize(shard)
-        if size < length:
-            raise ValueError(
-                f"checkpoint file {shard!r} is truncated: {size} bytes, the checkpoint's index needs "
-                f"{length}; load an earlier checkpoint"
-            )
-    return metadata
-
-
-def _agreed(fn, group):
-    """``fn()`` on every rank; if it raised a ValueError anywhere, the same one on every rank."""
-    result, error = None, None
-    try:
-        result = fn()
-    except ValueError as e:
-        error = str(e)
-    errors: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise ValueError(first)
-    return result
-
-
 def load(
     path: str | os.PathLike, model: DataParallel, optimizer=None, *, timeout: float | None = None
 ) -> int:
@@ -540,15 +298,15 @@ def load(
         path += ".old"  # a save died between its two renames
 
     def check() -> tuple[dict, object]:
-        meta = _read_meta(path)
+        meta = read_meta(path)
         _check_shapes(path, meta["shapes"], model)
-        return meta, _read_dcp_metadata(path)
+        return meta, read_dcp_metadata(path)
 
-    meta, dcp_metadata = _agreed(check, group)
+    meta, dcp_metadata = agreed(check, group)
     if hasattr(view, "gather"):
         view.gather.wait_all()
     entries = _templates(model, view, dcp_metadata.state_dict_metadata)
-    state = _to_dcp(entries, group)
+    state = to_dcp(entries, group)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
     except CheckpointException as e:

@@ -5,8 +5,9 @@ A checkpoint never mentions buffers, buckets or ranks: every entry is keyed by p
 model space, and per-element tensors are stored flattened to 1-D with the param's full numel:
 
     model.<name>                fp32 param values (the fp32 masters where they exist)
-    optim.state.<name>.<key>    per-element state (exp_avg, momentum_buffer, ...): (numel,);
-                                other state (step): its own shape, e.g. a 0-dim tensor
+    optim.state.<name>.<key>    per-element state (exp_avg, ...): (numel,); whole state
+                                (step, a preconditioner, a whole-matrix optimizer's momentum):
+                                its own shape
     optim.param_groups          hyper-parameters of each group (no params, no impl flags)
     buffers.<name>              the module's persistent non-param buffers
     aligndp.json                step, param shapes, dp_size of the writer (a sidecar file)
@@ -17,6 +18,11 @@ them; a bare torch optimizer, or none, gets them from an adapter in checkpoint.p
 for; ``model_space_state_dict()`` -> ``{"param.<name>": FlatPiece, "state.<name>.<key>":
 FlatPiece | Tensor, "param_groups": [...]}``; ``load_model_space_state_dict(sd)`` (same
 keys, pieces cut to this rank's current ``owned_range``).
+
+Which state is per-element is declared by the optimizer part, never guessed from a numel
+(an 8×8 preconditioner of an 8×8 weight has the weight's numel and is not per-element):
+an *elementwise* part's state tensors shaped like the param are per-element, everything
+else is whole; a *whole-matrix* part's state tensors are all whole, held by the param's owner.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ _IMPL_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differenti
 
 @dataclasses.dataclass(frozen=True)
 class FlatPiece:
-    """This rank's part ``[offset, offset + tensor.numel())`` of a model-space tensor of ``numel`` elements, flattened."""
+    """This rank's part ``[offset, offset + tensor.numel())`` of a model-space tensor of ``numel``
+    elements, flattened."""
 
     tensor: torch.Tensor
     offset: int
@@ -47,11 +54,17 @@ class FlatPiece:
 
 
 def torch_state_to_model_space(
-    inner: torch.optim.Optimizer, names: list[str | None], extents: dict[str, tuple[int, int]]
+    inner: torch.optim.Optimizer,
+    names: list[str | None],
+    extents: dict[str, tuple[int, int]],
+    *,
+    elementwise: bool,
 ) -> dict[str, object]:
     """Model-space entries of a torch optimizer whose i-th param is the owned part of ``names[i]``.
 
-    ``extents[name] = (offset, full numel)``. Tensors with the param's numel become pieces.
+    ``extents[name] = (offset, full numel)``. ``elementwise``: the part declares its state
+    per-element, so tensors shaped like the (owned part of the) param become pieces; otherwise
+    every state tensor is whole.
     """
     params = [p for g in inner.param_groups for p in g["params"]][: len(names)]
     sd: dict[str, object] = {}
@@ -60,9 +73,16 @@ def torch_state_to_model_space(
             continue
         offset, numel = extents[name]
         for key, value in inner.state.get(p, {}).items():
+            if value is None:
+                continue  # e.g. SGD's momentum_buffer before it exists
             if not isinstance(value, torch.Tensor):
-                continue  # e.g. SGD's momentum_buffer=None before it exists
-            if value.dim() >= 1 and value.numel() == p.numel():
+                raise ValueError(
+                    f"{type(inner).__name__} keeps state {key!r} of param {name!r} as a "
+                    f"{type(value).__name__}; aligndp checkpoints hold tensor state only and "
+                    "would lose it: keep that state in tensors, or save with the optimizer's "
+                    "own state_dict() (rank-local)"
+                )
+            if elementwise and value.dim() >= 1 and value.shape == p.shape:
                 sd[f"state.{name}.{key}"] = FlatPiece(
                     value.detach().reshape(-1), offset=offset, numel=numel
                 )
@@ -77,7 +97,8 @@ def torch_state_to_model_space(
 def model_space_to_torch_state(
     inner: torch.optim.Optimizer, names: list[str | None], sd: dict[str, object]
 ) -> None:
-    """Load ``sd`` (pieces already cut to this rank) into ``inner`` through its own ``load_state_dict``."""
+    """Load ``sd`` (pieces already cut to this rank) into ``inner`` through its own
+    ``load_state_dict``."""
     params = [p for g in inner.param_groups for p in g["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, (name, p) in enumerate(zip(names, params)):

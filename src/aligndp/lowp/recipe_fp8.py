@@ -1,0 +1,23 @@
+"""The ``fp8`` wgrad recipe: 1x128 blockwise FP8 E4M3 with float32 scales ``amax / 448``.
+
+cuBLASLt's FP8 GEMM needs 16-byte aligned output pointers. Layers need dims that are multiples
+of 32, as MXLinear has always asked; the GPU backend zero-pads feature dims to its 128 block
+(exact for a GEMM). There is no CPU backend.
+"""
+
+from aligndp.lowp.recipe import BackendRef, Recipe, ScaleFormat
+from aligndp.plan.layout import Requirement
+
+RECIPE = Recipe(
+    name="fp8",
+    runs="blockwise FP8 kernels on a Hopper GPU",
+    requirements=(Requirement("FP8 wgrad (cuBLASLt)", start_bytes=16),),
+    block=128,
+    scale_format=ScaleFormat.FP32,
+    layer_dim_multiple=32,
+    backends=(
+        BackendRef(
+            "fp8", "aligndp.lowp.triton_backend:TritonBackend", devices=("cuda",), needs_cuda=True
+        ),
+    ),
+)

@@ -1,0 +1,190 @@
+"""A planned buffer as plain, frozen, printable data: where each param and bucket lies.
+
+Made by :func:`aligndp.plan.layout.plan_layout`, checked by :func:`aligndp.plan.validate.validate`,
+allocated by the runtime's ``FlatBuffer``. Pure: no tensors, no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from aligndp.plan.spec import Mode, OwnerCost, Requirement, max_over_mean
+
+__all__ = ["ParamSlot", "BucketSlot", "BufferLayout", "padding_totals"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one param lives in a buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    index: int
+    """Position in registration order among this buffer's params."""
+    start: int
+    end: int
+    bucket: int
+    owner: int | None
+    """Rank that steps this param whole (layerwise mode); None otherwise."""
+    cost: float = 0.0
+    """The owner cost the planner balanced (layerwise mode, the request's cost function); 0
+    otherwise."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSlot:
+    """A contiguous range of a buffer: the unit of one collective."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def padding_totals(layouts: Iterable[BufferLayout]) -> tuple[int, int]:
+    """``(real, padded)`` elements summed over ``layouts``."""
+    layouts = list(layouts)
+    return sum(lo.numel for lo in layouts), sum(lo.padded_numel for lo in layouts)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """The layout of one flat buffer: plain, frozen, printable data."""
+
+    mode: Mode
+    dp_size: int
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    start_alignment: int
+    """Effective param start alignment in elements (lcm of the default and every requirement)."""
+    shard_alignment: int
+    """Sharded modes: each shard's length is a multiple of this; 1 in replicated mode."""
+    params: tuple[ParamSlot, ...]
+    """In layout order (reverse registration order, grouped by owner in layerwise mode)."""
+    buckets: tuple[BucketSlot, ...]
+    requirements: tuple[Requirement, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        """Real (unpadded) elements."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.buckets[-1].end if self.buckets else 0
+
+    @property
+    def padding_numel(self) -> int:
+        return self.padded_numel - self.numel
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.padding_numel / self.padded_numel if self.padded_numel else 0.0
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode is not Mode.REPLICATED
+
+    def shard_range(self, bucket: int, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of rank's shard of a bucket (the whole bucket when replicated)."""
+        b = self.buckets[bucket]
+        if not self.sharded:
+            return b.start, b.end
+        size = b.numel // self.dp_size
+        return b.start + rank * size, b.start + (rank + 1) * size
+
+    def params_in_bucket(self, bucket: int) -> tuple[ParamSlot, ...]:
+        return tuple(p for p in self.params if p.bucket == bucket)
+
+    def rank_costs(self, cost: OwnerCost | None = None) -> list[float]:
+        """Owner cost each rank steps (layerwise mode; zeros otherwise): the costs recorded
+        at plan time, or ``cost(shape)`` of every owned param when a function is given."""
+        costs = [0.0] * self.dp_size
+        for p in self.params:
+            if p.owner is not None:
+                costs[p.owner] += p.cost if cost is None else cost(p.shape)
+        return costs
+
+    def rank_numels(self) -> list[int]:
+        """Real elements each rank owns: its shard of every bucket intersected with params."""
+        owned = [0] * self.dp_size
+        for b in self.buckets:
+            for rank in range(self.dp_size):
+                lo, hi = self.shard_range(b.index, rank)
+                owned[rank] += sum(
+                    max(0, min(hi, p.end) - max(lo, p.start))
+                    for p in self.params_in_bucket(b.index)
+                )
+        return owned
+
+    @property
+    def imbalance(self) -> float:
+        """max/mean of per-rank owner cost in layerwise mode; 1.0 for the other modes."""
+        return max_over_mean(self.rank_costs())
+
+    def param(self, name: str) -> ParamSlot:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"no param {name!r} in this layout")
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode.value,
+            "dtype": str(self.grad_dtype).removeprefix("torch."),
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "dp_size": self.dp_size,
+            "start_alignment": self.start_alignment,
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "padding_numel": self.padding_numel,
+            "imbalance": self.imbalance,
+            "rank_costs": self.rank_costs() if self.mode is Mode.LAYERWISE else None,
+            "buckets": [{"start": b.start, "end": b.end} for b in self.buckets],
+            "params": [
+                {
+                    "name": p.name,
+                    "shape": list(p.shape),
+                    "start": p.start,
+                    "end": p.end,
+                    "bucket": p.bucket,
+                    "owner": p.owner,
+                }
+                for p in self.params
+            ],
+        }
+
+    def __str__(self) -> str:
+        dt = str(self.grad_dtype).removeprefix("torch.")
+        lines = [
+            f"{self.mode.value} buffer ({dt} grads, dp_size={self.dp_size}, "
+            f"starts % {self.start_alignment} elements): {self.numel:,} real + "
+            f"{self.padding_numel:,} padding = {self.padded_numel:,} elements "
+            f"({100 * self.padding_fraction:.3f}% padding), {len(self.buckets)} bucket(s)"
+        ]
+        if self.mode is Mode.LAYERWISE:
+            lines.append(f"  owner cost imbalance (max/mean over ranks): {self.imbalance:.4f}")
+        width = max([len(p.name) for p in self.params] + [4])
+        lines.append(
+            f"  {'name':<{width}}  {'shape':>14}  {'start':>12}  {'end':>12}  bucket  owner"
+        )
+        for p in self.params:
+            shape = "x".join(map(str, p.shape))
+            owner = "-" if p.owner is None else str(p.owner)
+            lines.append(
+                f"  {p.name:<{width}}  {shape:>14}  {p.start:>12,}  {p.end:>12,}  "
+                f"{p.bucket:>6}  {owner:>5}"
+            )
+        for b in self.buckets:
+            lines.append(f"  bucket {b.index}: [{b.start:,}, {b.end:,}) {b.numel:,} elements")
+        return "\n".join(lines)
