@@ -20,6 +20,7 @@ ROWS: dict[str, str] = {
     "ddp_adamw.vs_torch": "aligndp DDP + fused AdamW step / (torch DDP + fused AdamW)",
     "muon.step": "layer-wise Muon step + all-gather / one-GPU torch.optim.Muon",
     "mx.fp8_step": "--wgrad fp8 training step / bf16 step, one GPU",
+    "mx.fp8_tensor_step": "--wgrad fp8-tensor (per-tensor scales) step / bf16 step, one GPU",
     "mx.mxfp8_step": "--wgrad mxfp8 training step / bf16 step, one GPU",
     "mx.wgrad_mxfp8": "MXFP8 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.wgrad_fp8": "FP8 1x128 wgrad GEMM accumulating in place into fp32 main_grad",

@@ -153,12 +153,14 @@ def test_layout_cli_lists_and_accepts_it(fake, capsys):
 
 
 def test_unknown_names_list_the_registered_recipes(group, fake):
-    message = r"unknown wgrad recipe 'nvfp4': choose one of none, fp8, mxfp8, test-fake"
+    message = r"unknown wgrad recipe 'nvfp4': choose one of none, fp8, mxfp8, fp8-tensor, test-fake"
     with pytest.raises(ValueError, match=message):
         aligndp.parallelize(small_model(), wgrad="nvfp4")
     with pytest.raises(ValueError, match=message):
         get_recipe("nvfp4")
-    with pytest.raises(ValueError, match="choose one of fp8, reference, triton, fake-reference"):
+    with pytest.raises(
+        ValueError, match="choose one of fp8, reference, triton, fp8-tensor, fake-reference"
+    ):
         get_backend("nvfp4-reference")
 
 
@@ -166,7 +168,7 @@ def test_unregistered_recipe_is_gone(group):
     with registered_recipe(fake_recipe()):
         assert recipe_names()[-1] == "test-fake"
         assert get_backend("fake-reference").recipe.name == "test-fake"
-    assert recipe_names() == ("none", "fp8", "mxfp8")
+    assert recipe_names() == ("none", "fp8", "mxfp8", "fp8-tensor")
     with pytest.raises(ValueError, match="unknown wgrad recipe 'test-fake'"):
         aligndp.parallelize(small_model(), wgrad="test-fake")
     with pytest.raises(ValueError, match="unknown MX backend 'fake-reference'"):

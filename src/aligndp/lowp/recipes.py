@@ -33,6 +33,7 @@ BUILTIN_RECIPES = (
     "aligndp.lowp.recipe_none",
     "aligndp.lowp.recipe_fp8",
     "aligndp.lowp.recipe_mxfp8",
+    "aligndp.lowp.recipe_fp8_tensor",
 )
 """Modules whose ``RECIPE`` is registered, in this order (the CLI's choices), on the
 registry's first use."""

@@ -1,0 +1,102 @@
+"""Triton kernels of the ``fp8-tensor`` recipe (:mod:`aligndp.lowp.recipe_fp8_tensor`): GPU only.
+
+A per-tensor scale needs the whole tensor's amax before the first element can be cast, so a
+quantise is two passes: :func:`_amax_kernel` (a grid-stride max of ``|x|`` per program, one
+``atomic_max`` each into a float32 scalar) and :func:`_cast_kernel` (each tile scaled, clamped
+to ±448 and cast to E4M3, written row-major and, when asked, transposed as well, so the GEMM
+that wants the other layout needs no separate transpose of the FP8 tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_per_tensor"]
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = tl.constexpr(1e-30)
+"""Smallest amax a scale is taken from (the CPU path uses the same): ``1e-30 / 448`` is still a
+normal float32."""
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    step = BLOCK * tl.num_programs(0)
+    for start in range(tl.program_id(0) * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(v))
+    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,
+    amax_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    M,
+    N,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    WRITE_T: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    # the floor keeps the scale a normal float32: the GPU flushes denormals to zero, and
+    # 0 / 0 would turn an all-zero tensor into NaNs
+    # IEEE divisions (div_rn, not the approximate ``/``): the same bits as torch's CPU path
+    scale = tl.div_rn(tl.maximum(tl.load(amax_ptr), AMAX_FLOOR), 448.0)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+    tl.store(q_ptr + rm[:, None] * N + rn[None, :], y.to(tl.float8e4nv), mask=mask)
+    if WRITE_T:
+        # the transposed tile is loaded again with swapped strides (from L1/L2: this program
+        # just read it) rather than transposed in registers: tl.trans of a tile loaded from
+        # float32 came out as NaN bytes on H200 (Triton 3.6), and this way both stores stay
+        # row-major and coalesced
+        mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+        xt = tl.load(x_ptr + rm[None, :] * N + rn[:, None], mask=mask_t, other=0.0)
+        yt = tl.clamp(tl.div_rn(xt.to(tl.float32), scale), -448.0, 448.0)
+        tl.store(qt_ptr + rn[:, None] * M + rm[None, :], yt.to(tl.float8e4nv), mask=mask_t)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_ptr, scale)
+
+
+TILE = (64, 64, 4)
+"""(rows, cols, warps) of one program of the cast kernel."""
+
+
+@functools.cache
+def _programs(device_index: int) -> int:
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def quantize_per_tensor(
+    x: torch.Tensor, *, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(q, q_t, scale)`` of a contiguous 2-D CUDA tensor: E4M3 ``q`` (rows, cols), its
+    transpose ``q_t`` (cols, rows) when ``transposed`` (else None), and the float32 0-d scale
+    ``amax / 448`` with ``q * scale ≈ x``."""
+    assert x.is_cuda and x.dim() == 2 and x.is_contiguous(), "internal: 2-D contiguous CUDA"
+    m, n = x.shape
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    block = 4096
+    grid = (max(1, min(triton.cdiv(x.numel(), block), _programs(x.device.index or 0))),)
+    _amax_kernel[grid](x, amax, x.numel(), BLOCK=block, num_warps=8)
+    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+    q_t = torch.empty((n, m), dtype=torch.float8_e4m3fn, device=x.device) if transposed else q
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    bm, bn, warps = TILE
+    _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, amax, q, q_t, scale, m, n, BM=bm, BN=bn, WRITE_T=transposed, num_warps=warps
+    )
+    return q, (q_t if transposed else None), scale

@@ -1,0 +1,149 @@
+"""The ``fp8-tensor`` wgrad recipe: FP8 E4M3 with one float32 scale per tensor (current scaling).
+
+Each GEMM operand is quantised with a single scale ``amax(|t|) / 448`` taken over the whole
+tensor just before use, so the GEMM needs no per-block promotion: ``torch._scaled_mm``
+(cuBLASLt on CUDA, a CPU kernel otherwise) multiplies the two scales into its epilogue. That
+is the cheapest FP8 GEMM there is; the price is precision, since one outlier sets the scale of
+every element. The forward GEMM uses cuBLAS's fast accumulation; dgrad and wgrad, whose
+contraction dims are long, do not. The wgrad is computed in float32 and added into
+``main_grad`` (cuBLASLt cannot accumulate into its output through ``_scaled_mm``).
+
+A tensor's per-tensor scale is the same for it and its transpose, so each operand is
+quantised once, and the pass that casts it also writes the transposed layout its other GEMM
+wants (:mod:`aligndp.lowp.fp8_tensor_kernels` on CUDA). cuBLASLt's FP8 GEMM needs 16-byte
+aligned output pointers and dims that are multiples of 16. The recipe is this module (the
+recipe and its one backend) and its kernel module.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+
+from aligndp.lowp.backends import WgradBackend
+from aligndp.lowp.recipe import BackendRef, Recipe
+from aligndp.plan.layout import Requirement
+
+__all__ = ["RECIPE", "TensorScale", "TensorScaledBackend", "quantize_tensor"]
+
+E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+AMAX_FLOOR = 1e-30
+"""Smallest amax a scale is taken from: an all-zero tensor gets ``1e-30 / 448``, a normal
+float32, so GPUs that flush denormals still divide by a non-zero scale."""
+
+
+class TensorScale(enum.Enum):
+    """This recipe's scale format: one float32 ``amax / 448`` per tensor."""
+
+    FP32_PER_TENSOR = "fp32-per-tensor"
+
+
+class Quantized(NamedTuple):
+    """An FP8 tensor and the float32 scale that multiplies it back (``data * scale ≈ t``), and
+    its transpose when the quantise wrote one."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    data_t: torch.Tensor | None = None
+
+    def t(self) -> Quantized:
+        """The transpose, contiguous (per-tensor scales do not care about layout)."""
+        data_t = self.data_t if self.data_t is not None else self.data.t().contiguous()
+        return Quantized(data_t, self.scale, self.data)
+
+
+def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
+    """``t`` (2-D) as E4M3 with one scale ``max|t| / 448``; with ``transposed``, its transpose
+    too. CUDA: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both layouts;
+    elsewhere torch ops with the same maths."""
+    if t.is_cuda:
+        from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
+
+        data, data_t, scale = quantize_per_tensor(t.contiguous(), transposed=transposed)
+        return Quantized(data, scale, data_t)
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+    scale = torch.clamp(amax, min=AMAX_FLOOR) / E4M3_MAX
+    data = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return Quantized(data, scale, data.t().contiguous() if transposed else None)
+
+
+class _Saved(NamedTuple):
+    x: Quantized
+    weight: Quantized
+
+
+def _mm(a: Quantized, b_t: Quantized, dtype, *, fast: bool, bias=None) -> torch.Tensor:
+    """``a @ b_t.data.T`` scaled, ``a`` row-major (M, K), ``b_t`` row-major (N, K)."""
+    return torch._scaled_mm(
+        a.data,
+        b_t.data.t(),  # (K, N) column-major, as cuBLASLt wants its second operand
+        scale_a=a.scale,
+        scale_b=b_t.scale,
+        bias=bias,
+        out_dtype=dtype,
+        use_fast_accum=fast,
+    )
+
+
+class TensorScaledBackend(WgradBackend):
+    """Per-tensor FP8 GEMMs through ``torch._scaled_mm``, on any device it supports."""
+
+    name = "fp8-tensor"
+    default_recipe = "fp8-tensor"
+    scale_formats = (TensorScale.FP32_PER_TENSOR,)
+
+    def forward(self, x, weight):
+        return self.forward_for_backward(x, weight)[0]
+
+    def dgrad(self, grad_out, weight):
+        return _mm(
+            quantize_tensor(grad_out), quantize_tensor(weight).t(), grad_out.dtype, fast=False
+        )
+
+    def wgrad(self, grad_out, x):
+        g = quantize_tensor(grad_out, transposed=True).t()
+        xq = quantize_tensor(x, transposed=True).t()
+        return _mm(g, xq, torch.float32, fast=False)
+
+    def forward_for_backward(self, x, weight, bias=None):
+        # each operand once, in both layouts: x for forward and (transposed) wgrad, the weight
+        # for forward and (transposed) dgrad
+        xq, wq = quantize_tensor(x, transposed=True), quantize_tensor(weight, transposed=True)
+        bias = None if bias is None else bias.to(x.dtype)
+        return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
+
+    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, main_grad):
+        if not (need_dgrad or need_wgrad):
+            return None, None
+        g = quantize_tensor(grad_out, transposed=need_wgrad)
+        grad_x = _mm(g, saved.weight.t(), grad_out.dtype, fast=False) if need_dgrad else None
+        grad_w = None
+        if need_wgrad:
+            if main_grad is not None:
+                self.check(main_grad, grad_out, saved.x.data)
+            w = _mm(g.t(), saved.x.t(), torch.float32, fast=False)
+            if main_grad is None:
+                grad_w = w
+            else:
+                main_grad.add_(w)
+        return grad_x, grad_w
+
+
+RECIPE = Recipe(
+    name="fp8-tensor",
+    runs="per-tensor FP8 GEMMs (torch._scaled_mm: cuBLASLt on CUDA, a CPU kernel otherwise)",
+    requirements=(Requirement("FP8 wgrad (cuBLASLt)", start_bytes=16),),
+    block=16,  # no quantisation blocks: cuBLASLt's FP8 GEMM wants dims that are multiples of 16
+    scale_format=TensorScale.FP32_PER_TENSOR,
+    layer_dim_multiple=16,
+    backends=(
+        BackendRef(
+            "fp8-tensor",
+            f"{__name__}:TensorScaledBackend",
+            devices=("cpu", "cuda"),
+        ),
+    ),
+)
