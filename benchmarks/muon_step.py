@@ -93,9 +93,16 @@ def aligndp_muon_step(
         bucket_numel=bucket_numel,
         grad_dtype=torch.float32,
     )
-    model.finish_grad_sync()  # no backward: mark this step's gradients as synced, then fill them
+    # one real backward, so that every matrix has a reduced gradient and is stepped (a param
+    # without one is skipped, as in torch); then random "reduced" gradients that every timed
+    # step reuses
+    sum(p.float().sum() for p in model.module.parameters()).backward()
     for buf in model.flat_buffers:
-        buf.grad_data.normal_(0, 1e-3)  # every timed step reuses these "reduced" gradients
+        buf.grad_data.normal_(0, 1e-3)
+    before = [p.detach().clone() for p in model.module.parameters()]
+    opt.step()
+    moved = sum(not torch.equal(a, p) for a, p in zip(before, model.module.parameters()))
+    assert moved == len(before), f"only {moved} of {len(before)} matrices were stepped"
     seconds = timing(opt.step)
     return MuonStep(
         seconds,
