@@ -1,5 +1,11 @@
-"""aligndp: data-parallel training for PyTorch where alignment is a contract."""
+"""aligndp: data-parallel training for PyTorch where alignment is a contract.
 
+Three registries are the extension points (DESIGN.md, "Where the next thing goes"):
+:func:`register_recipe` (a low-precision wgrad recipe), :func:`register_collectives` (a
+collective backend) and :func:`register_whole_matrix` (a whole-matrix optimizer).
+"""
+
+from aligndp.lowp.recipes import register_recipe
 from aligndp.optim.registry import register_whole_matrix
 from aligndp.optim.whole_matrix import WholeMatrixSpec
 from aligndp.parallelize import parallelize, plan_request
@@ -15,6 +21,7 @@ from aligndp.plan.layout import (
 )
 from aligndp.plan.request import PlanRequest, plan_buffers
 from aligndp.plan.routing import Routing, route_params
+from aligndp.runtime.collective_backends import register_collectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.state.checkpoint import load, save
 
@@ -32,6 +39,8 @@ __all__ = [
     "WholeMatrixSpec",
     "parallelize",
     "plan_request",
+    "register_collectives",
+    "register_recipe",
     "register_whole_matrix",
     "route_params",
     "load",

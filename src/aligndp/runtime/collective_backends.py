@@ -66,8 +66,7 @@ def check_collectives_name(name: str) -> None:
         raise ValueError(
             f"unknown collectives backend {name!r}: registered are "
             f"{', '.join(repr(n) for n in registered_collectives())}; register another with "
-            "aligndp.runtime.collective_backends.register_collectives(name, factory) on every "
-            "rank before wrapping"
+            "aligndp.register_collectives(name, factory) on every rank before wrapping"
         )
 
 

@@ -101,7 +101,7 @@ class DDPConfig:
     """Name of the collectives backend that reduces and gathers the buckets and allocates the
     buffers ([Note: collectives seam] in aligndp/runtime/collectives.py): ``"torch"`` is
     torch.distributed on the process group; others are registered with
-    ``aligndp.runtime.collective_backends.register_collectives``."""
+    ``aligndp.register_collectives``."""
 
     def __post_init__(self) -> None:
         check_bucket_numel(self.bucket_numel)
