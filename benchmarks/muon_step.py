@@ -47,7 +47,7 @@ def hidden_matrices(
     ``GPT(PRESETS[preset])``."""
     gpt = build_gpt(preset, device, dtype)
     named = dict(gpt.named_parameters())
-    return {n: named[n] for n in route_params(gpt).muon}
+    return {n: named[n] for n in route_params(gpt).whole}
 
 
 def torch_muon_1gpu(matrices: dict[str, torch.Tensor], timing: Timing) -> float:

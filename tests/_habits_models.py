@@ -75,7 +75,10 @@ class TorchDDP:
             groups = [(list(named), {})]
         if mode.startswith("muon"):
             routing = route_params(net)
-            parts = [(torch.optim.Muon, set(routing.muon)), (torch.optim.AdamW, set(routing.adamw))]
+            parts = [
+                (torch.optim.Muon, set(routing.whole)),
+                (torch.optim.AdamW, set(routing.adamw)),
+            ]
         else:
             parts = [(optimizer, set(named))]
         self.opts = []

@@ -111,7 +111,7 @@ class Reference:
         self.net = make_net(shape)
         routing = route_params(self.net)
         named = dict(self.net.named_parameters())
-        self.muon = torch.optim.Muon([named[n] for n in routing.muon], lr=MUON_LR)
+        self.muon = torch.optim.Muon([named[n] for n in routing.whole], lr=MUON_LR)
         self.adamw = torch.optim.AdamW([named[n] for n in routing.adamw], lr=ADAMW_LR)
         self.max_grad_norm = max_grad_norm
 
@@ -146,7 +146,7 @@ def assert_owners_partition(opt, routing) -> None:
     every: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(every, mine)
     flat = [n for names in every for n in names]
-    assert sorted(flat) == sorted(routing.muon), f"owners {every} do not partition {routing.muon}"
+    assert sorted(flat) == sorted(routing.whole), f"owners {every} do not partition {routing.whole}"
     stepped = [n for n in muon.names if "momentum_buffer" in muon.state_of(n)]
     assert sorted(stepped) == sorted(mine), f"momentum on {stepped}, owned {mine}"
 
@@ -492,7 +492,7 @@ def resume_and_compare(saved_dp: int) -> None:
                     p.add_(1.0)
             assert aligndp.load(ckpt(f"muon-{saved}-dp{saved_dp}"), model, opt) == SAVED_AT
             if sharding == "zero1":
-                stepped = [n for n in opt.routing.muon if opt.parts[0].state_of(n)]
+                stepped = [n for n in opt.routing.whole if opt.parts[0].state_of(n)]
                 assert sorted(stepped) == sorted(opt.parts[0].names[i] for i in opt.parts[0].owned)
             train(model, opt, range(SAVED_AT, STEPS))
             for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):

@@ -26,9 +26,9 @@ def block_matrices(num_layers: int) -> tuple[str, ...]:
 def test_gpt_routes_exactly_the_block_matrices_to_muon(preset, tied):
     model = gpt(preset, tied=tied)
     routing = route_params(model)
-    assert routing.muon == block_matrices(model.cfg.num_layers)
+    assert routing.whole == block_matrices(model.cfg.num_layers)
     names = [n for n, _ in model.named_parameters()]
-    assert sorted(routing.muon + routing.adamw) == sorted(names), "every param routed exactly once"
+    assert sorted(routing.whole + routing.adamw) == sorted(names), "every param routed exactly once"
     why = dict(routing.reasons)
     assert why["tok.weight"] == "embedding" and why["pos.weight"] == "embedding"
     if tied:
@@ -47,7 +47,7 @@ def test_gpt_1b_on_meta_has_64_muon_matrices():
 
     with torch.device("meta"):
         model = GPT(PRESETS["1b"])
-    assert len(route_params(model).muon) == 64
+    assert len(route_params(model).whole) == 64
 
 
 def test_tied_head_detected_by_identity_under_any_name():
@@ -62,7 +62,7 @@ def test_tied_head_detected_by_identity_under_any_name():
             self.decoder.weight = self.embed.weight
 
     routing = route_params(Net())
-    assert routing.muon == ("hidden.weight",)
+    assert routing.whole == ("hidden.weight",)
     assert routing.optimizer_of("embed.weight") == "adamw"
 
 
@@ -76,12 +76,12 @@ def test_override_by_predicate_and_by_pattern():
             and name.endswith(("fc.weight", "out.weight"))
         ),
     )
-    assert only_mlp.muon == tuple(
+    assert only_mlp.whole == tuple(
         n for n in block_matrices(2) if n.endswith(("fc.weight", "out.weight"))
     )
     by_pattern = route_params(model, muon_filter=["blocks.*.qkv.weight", "head.weight"])
-    assert by_pattern.muon == ("blocks.0.qkv.weight", "blocks.1.qkv.weight", "head.weight")
-    assert route_params(model, muon_filter="blocks.1.[qpfo]*.weight").muon == tuple(
+    assert by_pattern.whole == ("blocks.0.qkv.weight", "blocks.1.qkv.weight", "head.weight")
+    assert route_params(model, muon_filter="blocks.1.[qpfo]*.weight").whole == tuple(
         n for n in block_matrices(2) if n.startswith("blocks.1.")
     )
 
@@ -90,7 +90,7 @@ def test_frozen_params_are_not_routed():
     model = gpt("demo")
     model.blocks[0].requires_grad_(False)
     routing = route_params(model)
-    assert routing.muon == block_matrices(2)[4:]
+    assert routing.whole == block_matrices(2)[4:]
     with pytest.raises(KeyError, match="not routed"):
         routing.optimizer_of("blocks.0.qkv.weight")
 
@@ -104,13 +104,20 @@ def test_user_errors_are_clear():
     with pytest.raises(TypeError, match="nn.Module"):
         route_params("model")
     with pytest.raises(ValueError, match="both"):
-        Routing(muon=("a",), adamw=("a",))
+        Routing(whole=("a",), adamw=("a",))
 
 
 def test_printable():
     text = str(route_params(gpt("demo", tied=True)))
     assert (
-        text.startswith("Muon (8 matrices):")
+        text.startswith("muon (8 matrices):")
         and "tok.weight  [embedding]" in text
         and "head" not in text
     )
+
+
+def test_names_the_whole_matrix_optimizer_it_routes_for():
+    routing = route_params(gpt("demo", tied=True), optimizer="soap")
+    assert str(routing).startswith("soap (8 matrices):")
+    assert routing.optimizer_of("blocks.0.qkv.weight") == "soap"
+    assert routing.optimizer_of("tok.weight") == "adamw"

@@ -122,7 +122,7 @@ def case_layerwise_muon(rank, ws):
             routing = route_params(ref)
             named = dict(ref.named_parameters())
             ref_opts = [
-                torch.optim.Muon([named[n] for n in routing.muon], lr=0.02),
+                torch.optim.Muon([named[n] for n in routing.whole], lr=0.02),
                 torch.optim.AdamW([named[n] for n in routing.adamw], lr=0.01),
             ]
             compare_with_one_process(model, opt, ref, ref_opts, rel=1e-5, what=f"muon {shape}")
@@ -130,7 +130,7 @@ def case_layerwise_muon(rank, ws):
         mine = [muon.names[i] for i in muon.owned]
         every: list[list[str]] = [None] * ws  # type: ignore[list-item]
         dist.all_gather_object(every, mine)
-        assert sorted(n for names in every for n in names) == sorted(routing.muon), every
+        assert sorted(n for names in every for n in names) == sorted(routing.whole), every
 
 
 make_tests(globals())

@@ -106,10 +106,10 @@ class Reference:
     def __init__(self):
         self.net = make_net()
         routing = route_params(self.net)
-        assert routing.muon == WHOLE, routing
+        assert routing.whole == WHOLE, routing
         named = dict(self.net.named_parameters())
         self.opts = [
-            OneSidedShampoo([named[n] for n in routing.muon], lr=LR, eps=EPS),
+            OneSidedShampoo([named[n] for n in routing.whole], lr=LR, eps=EPS),
             torch.optim.AdamW([named[n] for n in routing.adamw], lr=ADAMW_LR),
         ]
 
@@ -205,7 +205,7 @@ def case_matches_one_process(rank, ws):
     runs = [("zero1", "onesided"), ("zero1", "onesided-once"), ("none", "onesided")]
     for sharding, optimizer in runs:
         model, opt = build(sharding, optimizer=optimizer)
-        assert opt.routing.muon == WHOLE and [g["optimizer"] for g in opt.param_groups] == [
+        assert opt.routing.whole == WHOLE and [g["optimizer"] for g in opt.param_groups] == [
             "onesidedshampoo",
             "adamw",
         ]

@@ -70,11 +70,13 @@ def plan_request(
     spec = found if isinstance(found, WholeMatrixSpec) else None
     routing = None
     if spec is not None:
-        routing = route_params(model, muon_filter=muon_filter or spec.select)
+        routing = route_params(
+            model, muon_filter=muon_filter or spec.select, optimizer=str(optimizer).lower()
+        )
     specs = tuple(ParamSpec.from_named_parameters(model.named_parameters()))
     requirements = list(_wgrad_requirements(wgrad))
     requirements += [r for _, m in fused_wgrad_modules(model) for r in m.wgrad_requirements()]
-    whole = routing.muon if routing is not None else ()
+    whole = routing.whole if routing is not None else ()
     request = PlanRequest(
         specs=specs,
         dp_size=dp_size,
@@ -224,14 +226,14 @@ def _whole_matrix_parts(
         return [g for g in cut_groups if g.names]
 
     parts: list[OptimizerPart] = []
-    if routing.muon and zero1:
-        whole = [(n, named[n]) for n in routing.muon]
+    if routing.whole and zero1:
+        whole = [(n, named[n]) for n in routing.whole]
         parts.append(
-            WholeMatrixPart(ddp, whole, spec, groups=cut(routing.muon), options=whole_kwargs)
+            WholeMatrixPart(ddp, whole, spec, groups=cut(routing.whole), options=whole_kwargs)
         )
-    elif routing.muon:
-        tensors = {n: named[n] for n in routing.muon}
-        inner = spec.optimizer_class(torch_groups(cut(routing.muon), tensors), **whole_kwargs)
+    elif routing.whole:
+        tensors = {n: named[n] for n in routing.whole}
+        inner = spec.optimizer_class(torch_groups(cut(routing.whole), tensors), **whole_kwargs)
         parts.append(ReplicatedPart(ddp, inner, elementwise_state=False))
     if routing.adamw and zero1:
         sharded = ddp.buffers_for(Mode.SHARDED)

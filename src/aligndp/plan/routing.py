@@ -30,31 +30,35 @@ MuonFilter = Callable[[str, nn.Parameter, nn.Module], bool] | str | Sequence[str
 class Routing:
     """The params each optimizer steps, by fully qualified name in registration order."""
 
-    muon: tuple[str, ...]
-    """2-D hidden matrices, stepped whole by ``torch.optim.Muon``."""
+    whole: tuple[str, ...]
+    """2-D hidden matrices, stepped whole by the whole-matrix optimizer (Muon by default)."""
     adamw: tuple[str, ...]
     """Everything else: embeddings, output head, norms, biases, non-2-D params."""
     reasons: tuple[tuple[str, str], ...] = ()
     """``(name, why)`` for every AdamW param, e.g. ``("tok.weight", "embedding")``."""
+    optimizer: str = "muon"
+    """Name of the whole-matrix optimizer that steps :attr:`whole` (as ``parallelize`` took it)."""
 
     def __post_init__(self) -> None:
-        both = set(self.muon) & set(self.adamw)
+        both = set(self.whole) & set(self.adamw)
         if both:
             raise ValueError(
-                f"params routed to both Muon and AdamW: {sorted(both)}; route each param once"
+                f"params routed to both {self.optimizer} and AdamW: {sorted(both)}; route each "
+                "param once"
             )
 
     def optimizer_of(self, name: str) -> str:
-        """``"muon"`` or ``"adamw"``."""
-        if name in self.muon:
-            return "muon"
+        """:attr:`optimizer` (e.g. ``"muon"``) or ``"adamw"``."""
+        if name in self.whole:
+            return self.optimizer
         if name in self.adamw:
             return "adamw"
         raise KeyError(f"param {name!r} is not routed (frozen or not a param of the routed model)")
 
     def __str__(self) -> str:
         why = dict(self.reasons)
-        lines = [f"Muon ({len(self.muon)} matrices):"] + [f"  {n}" for n in self.muon]
+        lines = [f"{self.optimizer} ({len(self.whole)} matrices):"]
+        lines += [f"  {n}" for n in self.whole]
         lines += [f"AdamW ({len(self.adamw)} params):"] + [
             f"  {n}  [{why.get(n, 'filter')}]" for n in self.adamw
         ]
@@ -97,8 +101,11 @@ def _as_predicate(muon_filter: MuonFilter) -> Callable[[str, nn.Parameter, nn.Mo
     return lambda name, p, m: any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
-def route_params(model: nn.Module, *, muon_filter: MuonFilter | None = None) -> Routing:
-    """Route every trainable param of ``model`` to Muon or AdamW. See [Note: Muon routing].
+def route_params(
+    model: nn.Module, *, muon_filter: MuonFilter | None = None, optimizer: str = "muon"
+) -> Routing:
+    """Route every trainable param of ``model`` to the whole-matrix ``optimizer`` (Muon by
+    default) or AdamW. See [Note: Muon routing].
 
     Default: a param goes to Muon iff it is 2-D, not a param of an ``nn.Embedding`` (a tied
     head is the embedding's own tensor, caught by identity), and not a param of a module
@@ -127,4 +134,4 @@ def route_params(model: nn.Module, *, muon_filter: MuonFilter | None = None) -> 
         else:
             adamw.append(name)
             reasons.append((name, reason))
-    return Routing(tuple(muon), tuple(adamw), tuple(reasons))
+    return Routing(tuple(muon), tuple(adamw), tuple(reasons), optimizer)
