@@ -21,7 +21,8 @@ _PLOTS_LEAVE_PYPLOT_ALONE = textwrap.dedent(
 
     from aligndp.app.plot import draw_layout
     from aligndp.app.train_report import plot_loss
-    from aligndp.plan.layout import ParamSpec, plan_layout
+    from aligndp.plan.layout import plan_layout
+    from aligndp.plan.spec import ParamSpec
 
     mine = plt.figure()
     before = (matplotlib.get_backend(), plt.get_fignums())

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_layout
+from aligndp.plan.layout import plan_layout
+from aligndp.plan.spec import Mode, ParamSpec, Requirement
 from aligndp.runtime.buffer import FlatBuffer, aligned_empty
 
 ODD_SHAPES = [(97,), (103, 5), (7, 13), (1,), (300,), (33, 3)]

@@ -16,7 +16,8 @@ import aligndp
 from aligndp.app import cli, layout_cli
 from aligndp.app.plot import draw_layout
 from aligndp.models.gpt import GPT, PRESETS
-from aligndp.plan.layout import ParamSpec, plan_layout
+from aligndp.plan.layout import plan_layout
+from aligndp.plan.spec import ParamSpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from aligndp.lowp import MXLinear, convert_to_mxfp8
 from aligndp.plan.fused import fused_wgrad_modules
-from aligndp.plan.layout import Mode
+from aligndp.plan.spec import Mode
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
 

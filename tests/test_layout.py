@@ -15,9 +15,10 @@ import torch
 
 from aligndp.lowp.recipes import wgrad_requirements
 from aligndp.optim.muon import newton_schulz_cost
-from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_layout, validate
+from aligndp.plan.layout import plan_layout
 from aligndp.plan.request import PlanRequest, modes_for_sharding, plan_buffers
-from aligndp.plan.spec import DEFAULT_BUCKET_NUMEL, numel_cost
+from aligndp.plan.spec import DEFAULT_BUCKET_NUMEL, Mode, ParamSpec, Requirement, numel_cost
+from aligndp.plan.validate import validate
 
 MODES = [m.value for m in Mode]
 

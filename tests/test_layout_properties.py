@@ -20,7 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aligndp.plan.layout import Mode, ParamSpec, Requirement, plan_layout, validate
+from aligndp.plan.layout import plan_layout
+from aligndp.plan.spec import Mode, ParamSpec, Requirement
+from aligndp.plan.validate import validate
 
 DTYPES = [torch.float32, torch.bfloat16]
 

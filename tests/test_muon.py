@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aligndp
-from aligndp.plan.layout import Mode
 from aligndp.plan.routing import route_params
+from aligndp.plan.spec import Mode
 from tests._dist import case, make_tests
 from tests.test_checkpoint import ckpt  # a directory shared by the ranks of this session
 from tests.test_ddp import VOCAB, batch, loss_of  # the same global batch at every world size

@@ -34,7 +34,7 @@ from aligndp.lowp import (
     registered_recipe,
 )
 from aligndp.lowp.backends import ReferenceBackend
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 from aligndp.runtime.buffer import aligned_empty
 
 FAKE_ALIGNMENT = 256  # elements; the defaults (64, 1) never produce it by chance below

@@ -26,8 +26,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import aligndp
-from aligndp.plan.layout import ParamSpec
 from aligndp.plan.request import plan_buffers
+from aligndp.plan.spec import ParamSpec
 from aligndp.runtime import agreement
 from aligndp.state.checkpoint import prune_checkpoints
 from tests._dist import case, make_tests

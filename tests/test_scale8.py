@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import aligndp
-from aligndp.plan.layout import Mode
 from aligndp.plan.routing import route_params
+from aligndp.plan.spec import Mode
 from tests._dist import case, make_tests
 from tests.test_muon import BASE, ONE_MATRIX, VOCAB, fp32_newton_schulz, make_net
 

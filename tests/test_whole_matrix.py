@@ -21,8 +21,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import aligndp
-from aligndp.plan.layout import Mode, ParamSpec, plan_layout
+from aligndp.plan.layout import plan_layout
 from aligndp.plan.routing import route_params
+from aligndp.plan.spec import Mode, ParamSpec
 from aligndp.state.model_space import FlatPiece, torch_state_to_model_space
 from tests._dist import case, make_tests
 from tests.test_checkpoint import ckpt

@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import aligndp
 from aligndp.optim.sharded import ShardedOptimizer, check_elementwise, owned_segments
-from aligndp.plan.layout import Mode, ParamSpec, plan_layout
+from aligndp.plan.layout import plan_layout
+from aligndp.plan.spec import Mode, ParamSpec
 from tests._dist import case, make_tests
 from tests.test_ddp import batch, loss_of, make_net
 

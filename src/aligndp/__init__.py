@@ -9,18 +9,12 @@ from aligndp.lowp.recipes import register_recipe
 from aligndp.optim.registry import register_whole_matrix
 from aligndp.optim.whole_matrix import WholeMatrixSpec
 from aligndp.parallelize import parallelize, plan_request
-from aligndp.plan.layout import (
-    BucketSlot,
-    BufferLayout,
-    Mode,
-    ParamSlot,
-    ParamSpec,
-    Requirement,
-    plan_layout,
-    validate,
-)
+from aligndp.plan.layout import plan_layout
 from aligndp.plan.request import PlanRequest, plan_buffers
 from aligndp.plan.routing import Routing, route_params
+from aligndp.plan.slots import BucketSlot, BufferLayout, ParamSlot
+from aligndp.plan.spec import Mode, ParamSpec, Requirement
+from aligndp.plan.validate import validate
 from aligndp.runtime.collective_backends import register_collectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.state.checkpoint import load, save

@@ -18,10 +18,16 @@ from aligndp.optim.registry import resolve_optimizer
 from aligndp.optim.sharded import ShardedOptimizer, ShardedPart, check_elementwise
 from aligndp.optim.whole_matrix import WholeMatrixPart, WholeMatrixSpec, split_kwargs, torch_groups
 from aligndp.plan.fused import fused_wgrad_modules
-from aligndp.plan.layout import DEFAULT_BUCKET_NUMEL, DEFAULT_START_ALIGNMENT, Mode, Requirement
 from aligndp.plan.request import SHARDINGS, PlanRequest, modes_for_sharding
 from aligndp.plan.routing import MuonFilter, Routing, route_params
-from aligndp.plan.spec import ParamSpec, numel_cost
+from aligndp.plan.spec import (
+    DEFAULT_BUCKET_NUMEL,
+    DEFAULT_START_ALIGNMENT,
+    Mode,
+    ParamSpec,
+    Requirement,
+    numel_cost,
+)
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.user_input import check_parallelize_inputs
 

@@ -27,16 +27,16 @@ import torch.nn as nn
 from aligndp.lowp.recipes import recipe_names
 from aligndp.optim.registry import known_optimizers, whole_matrix_spec
 from aligndp.parallelize import plan_request
-from aligndp.plan.layout import (
+from aligndp.plan.request import PlanRequest, plan_buffers
+from aligndp.plan.slots import BufferLayout, padding_totals
+from aligndp.plan.spec import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_START_ALIGNMENT,
-    BufferLayout,
     Mode,
     ParamSpec,
-    padding_totals,
+    check_bucket_numel,
+    max_over_mean,
 )
-from aligndp.plan.request import PlanRequest, plan_buffers
-from aligndp.plan.spec import check_bucket_numel, max_over_mean
 
 __all__ = [
     "add_arguments",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from aligndp.plan.layout import BufferLayout, Mode
+from aligndp.plan.slots import BufferLayout
+from aligndp.plan.spec import Mode
 
 __all__ = ["draw_layout"]
 

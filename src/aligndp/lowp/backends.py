@@ -26,7 +26,7 @@ import torch
 from aligndp.lowp.mx_format import dequantize_mxfp8, padded_length, quantize_mxfp8
 from aligndp.lowp.recipe import Recipe, ScaleFormat
 from aligndp.lowp.recipes import backend_names, find_backend, get_recipe
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 __all__ = [
     "WgradBackend",

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from aligndp.lowp.backends import WgradBackend, get_backend
 from aligndp.plan.fused import GradSink
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 __all__ = ["MXLinear", "convert_to_mxfp8"]
 

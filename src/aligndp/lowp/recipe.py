@@ -21,7 +21,7 @@ import importlib
 
 import torch.nn as nn
 
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 __all__ = ["ScaleFormat", "BackendRef", "Recipe"]
 

@@ -6,7 +6,7 @@ of 32, as MXLinear has always asked; the GPU backend zero-pads feature dims to i
 """
 
 from aligndp.lowp.recipe import BackendRef, Recipe, ScaleFormat
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 RECIPE = Recipe(
     name="fp8",

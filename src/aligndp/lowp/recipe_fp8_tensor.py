@@ -24,7 +24,7 @@ import torch
 
 from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.recipe import BackendRef, Recipe
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 __all__ = ["RECIPE", "TensorScale", "TensorScaledBackend", "quantize_tensor"]
 

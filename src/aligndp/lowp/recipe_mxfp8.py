@@ -8,7 +8,7 @@ is the contraction dim of one of the layer's GEMMs).
 """
 
 from aligndp.lowp.recipe import BackendRef, Recipe, ScaleFormat
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 RECIPE = Recipe(
     name="mxfp8",

@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Iterator
 
 from aligndp.lowp.recipe import BackendRef, Recipe
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 __all__ = [
     "BUILTIN_RECIPES",

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm, global_grad_norm
-from aligndp.plan.layout import Mode, padding_totals
 from aligndp.plan.routing import Routing
-from aligndp.plan.spec import max_over_mean
+from aligndp.plan.slots import padding_totals
+from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.param_gather import ParamGather

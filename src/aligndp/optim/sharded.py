@@ -25,7 +25,8 @@ import torch
 from aligndp.optim.base import is_elementwise, resolve_optimizer_class
 from aligndp.optim.composite import BucketStepped, CompositeOptimizer, OptimizerPart
 from aligndp.optim.groups import ParamGroup
-from aligndp.plan.layout import BufferLayout, Mode
+from aligndp.plan.slots import BufferLayout
+from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad

@@ -35,8 +35,8 @@ import torch.nn as nn
 from aligndp.optim.composite import BucketStepped, OptimizerPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
 from aligndp.optim.sharded import refresh_master
-from aligndp.plan.layout import Mode, OwnerCost
 from aligndp.plan.routing import MuonFilter
+from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.state.model_space import (

@@ -8,7 +8,7 @@ to buffer views, binds a :class:`GradSink` into every such module at wrap time. 
 the module asks ``sink.main_grad(weight)`` for the view, accumulates into it, returns ``None``
 as the weight's autograd gradient (so no ``param.grad`` is ever allocated and the
 post-accumulate hook does not fire) and calls ``sink.mark_ready(weight)`` so bucket readiness
-still counts it. Each such module also declares the :class:`~aligndp.plan.layout.Requirement` its
+still counts it. Each such module also declares the :class:`~aligndp.plan.spec.Requirement` its
 kernel needs, and :func:`aligndp.parallelize` plans every buffer with it.
 """
 
@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from aligndp.plan.layout import Requirement
+from aligndp.plan.spec import Requirement
 
 __all__ = ["GradSink", "FusedWgradModule", "fused_wgrad_modules"]
 

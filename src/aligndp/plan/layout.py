@@ -10,8 +10,8 @@ for more.
 
 This module plans one buffer; :func:`aligndp.plan.request.plan_buffers` plans every buffer of
 a :class:`~aligndp.plan.request.PlanRequest`. The vocabulary (specs, requirements, modes)
-lives in aligndp/plan/spec.py, the planned data in aligndp/plan/slots.py; both are
-re-exported here. It allocates no tensors and imports no ``torch.distributed``.
+lives in aligndp/plan/spec.py, the planned data in aligndp/plan/slots.py, the check in
+aligndp/plan/validate.py. It allocates no tensors and imports no ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from aligndp.plan.assign import assign_owners, group_layerwise_buckets
-from aligndp.plan.slots import BucketSlot, BufferLayout, ParamSlot, padding_totals
+from aligndp.plan.slots import BucketSlot, BufferLayout, ParamSlot
 from aligndp.plan.spec import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_SHARD_ALIGNMENT,
@@ -38,22 +38,7 @@ from aligndp.plan.spec import (
 )
 from aligndp.plan.validate import validate
 
-__all__ = [
-    "DEFAULT_START_ALIGNMENT",
-    "DEFAULT_BUCKET_NUMEL",
-    "DEFAULT_SHARD_ALIGNMENT",
-    "Mode",
-    "OwnerCost",
-    "ParamSpec",
-    "Requirement",
-    "ParamSlot",
-    "BucketSlot",
-    "BufferLayout",
-    "plan_layout",
-    "padding_totals",
-    "validate",
-    "combined_start_alignment",
-]
+__all__ = ["plan_layout"]
 
 
 def _group_into_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None) -> list[list[int]]:

@@ -131,7 +131,7 @@ def check_ranks_agree(
     """Raise the same ``ValueError`` on every rank unless all ranks hold the same params and layout.
 
     ``named_params``: ``module.named_parameters()`` (names, shapes, dtypes and requires_grad are
-    compared); ``layouts``: the planned :class:`~aligndp.plan.layout.BufferLayout` list (compared
+    compared); ``layouts``: the planned :class:`~aligndp.plan.slots.BufferLayout` list (compared
     whole). Collective over ``group``: one ``all_gather_object`` of a digest, a second one of
     the summaries only when the digests differ. Call it before any collective that depends
     on shapes (e.g. the broadcast of rank 0's params), or a mismatch aborts there instead.

@@ -1,6 +1,6 @@
 """Flat buffers allocated from a layout, and the param views bound into them.
 
-One :class:`FlatBuffer` per :class:`~aligndp.plan.layout.BufferLayout`: ``grad_data`` always,
+One :class:`FlatBuffer` per :class:`~aligndp.plan.slots.BufferLayout`: ``grad_data`` always,
 ``param_data`` when an optimizer shards params (then ``param.data`` is rebound to a view of
 it, values preserved). Every param gets ``main_grad``, a view at its layout offset.
 
@@ -20,7 +20,8 @@ from typing import Protocol
 
 import torch
 
-from aligndp.plan.layout import BufferLayout, ParamSlot, validate
+from aligndp.plan.slots import BufferLayout, ParamSlot
+from aligndp.plan.validate import validate
 
 __all__ = [
     "Allocator",

@@ -44,16 +44,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligndp.plan.fused import fused_wgrad_modules
-from aligndp.plan.layout import (
+from aligndp.plan.request import PlanRequest, plan_buffers
+from aligndp.plan.slots import BufferLayout
+from aligndp.plan.spec import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_START_ALIGNMENT,
-    BufferLayout,
     Mode,
     ParamSpec,
     Requirement,
+    check_bucket_numel,
+    check_grad_dtype,
 )
-from aligndp.plan.request import PlanRequest, plan_buffers
-from aligndp.plan.spec import check_bucket_numel, check_grad_dtype
 from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collective_backends import (
@@ -116,7 +117,7 @@ class DDPConfig:
 class DataParallel(GradSync, nn.Module):
     """Wrap an unmodified module; keep its grads in aligned flat buffers reduced by bucket.
 
-    ``modes`` maps param names to a :class:`~aligndp.plan.layout.Mode` (default: every param
+    ``modes`` maps param names to a :class:`~aligndp.plan.spec.Mode` (default: every param
     replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
     ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)

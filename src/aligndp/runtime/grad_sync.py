@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from aligndp.plan.layout import Mode
+from aligndp.plan.spec import Mode
 from aligndp.runtime.collectives import Work
 from aligndp.runtime.grads import same_storage
 from aligndp.runtime.step_flags import (

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from aligndp.plan.layout import Mode
+from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.grads import ShardedGrad
 
