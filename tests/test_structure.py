@@ -200,3 +200,23 @@ def test_each_note_is_written_once_and_every_reference_has_one():
     referenced = {m.group(1) for t in texts for m in NOTE.finditer(t)}
     missing = sorted(r for r in referenced if r not in defined)
     assert not missing, f"notes referred to but written nowhere: {missing}"
+
+
+WHERE = re.compile(
+    r"\[Note: ([^\]<>]+)\]\s*(?:in\s+|\()(?:[\w/]*?aligndp/)?([\w/]+\.py|DESIGN\.md)"
+)
+
+
+def test_a_note_said_to_be_in_a_file_is_written_there():
+    """``[Note: X] in ddp.py`` / ``[Note: X] (plan/request.py)`` must name where X is written."""
+    defined = note_definitions()
+    texts = {"DESIGN.md": (ROOT / "DESIGN.md").read_text()}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in PACKAGE.rglob("*.py")}
+    wrong = []
+    for where, text in texts.items():
+        for m in WHERE.finditer(text):
+            title, path = m.group(1), m.group(2)
+            places = [d.split(":")[0] for d in defined.get(title, [])]
+            if places and not any(p.endswith(path) for p in places):
+                wrong.append(f"{where}: [Note: {title}] said to be in {path}, written in {places}")
+    assert not wrong, "\n".join(wrong)

@@ -110,7 +110,7 @@ def sum_of_squares(grads: Sequence[torch.Tensor], *, device: torch.device) -> to
 class ReplicatedPart(OptimizerPart):
     """A part over all-reduced params: every rank steps all of them with ``inner`` (plain DDP).
 
-    The reduced gradients are already ``param.grad`` ([Note: step states] in ddp.py), possibly
+    The reduced gradients are already ``param.grad`` ([Note: step states] in DESIGN.md), possibly
     edited by the user (clipping, unscaling) or dropped (``None``: not stepped).
     ``elementwise_state``: False for a whole-matrix optimizer, so its checkpoint entries are
     the same as the zero1 whole-matrix part's (a run can resume in the other sharding)."""
@@ -294,7 +294,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.gather.launch_rest()
         return None
 
-    # ---- [Note: model-space state] (aligndp/state/checkpoint.py) ----
+    # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
     def _part_of(self, name: str) -> OptimizerPart:
         for part in self.parts:
             if name in part.names:

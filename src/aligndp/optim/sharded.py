@@ -271,7 +271,7 @@ class ShardedPart(OptimizerPart):
             p.master.grad = None  # never leave an alias of grad_data behind
         self._prepared_at = None
 
-    # ---- model-space state ([Note: model-space state] in aligndp/state/checkpoint.py) ----
+    # ---- model-space state ([Note: model-space state] in aligndp/state/model_space.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened param ``name`` this rank steps; ``(0, 0)`` if none."""
         for p in self.pieces:

@@ -1,6 +1,6 @@
 """``validate(layout, requirements)``: re-check a planned layout, with messages that name the
 param, its offset in elements and bytes, the rule and the fix. See [Note: alignment contract]
-in aligndp/plan/layout.py; buffers call it at construction, so no mode can skip it.
+in DESIGN.md; buffers call it at construction, so no mode can skip it.
 """
 
 from __future__ import annotations

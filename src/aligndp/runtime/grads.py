@@ -1,4 +1,4 @@
-"""What ``param.grad`` shows between ``backward()`` and ``step()`` ([Note: step states] in ddp.py).
+"""What ``param.grad`` shows between ``backward()`` and ``step()`` ([Note: step states], DESIGN).
 
 Replicated params show their reduced gradient (the ``main_grad`` view itself where the dtypes
 agree, so in-place edits such as ``clip_grad_norm_`` or ``GradScaler.unscale_`` reach the
