@@ -85,14 +85,6 @@ def shard_of(bucket: torch.Tensor, *, rank: int, dp_size: int) -> torch.Tensor:
     return bucket.view(dp_size, -1)[rank]
 
 
-def _mean_op(bucket: torch.Tensor, group: dist.ProcessGroup | None) -> dist.ReduceOp:
-    """AVG where the backend has it (NCCL); else pre-divide in place and SUM."""
-    if dist.get_backend(group) == "nccl":
-        return dist.ReduceOp.AVG
-    bucket.div_(dist.get_world_size(group))
-    return dist.ReduceOp.SUM
-
-
 class TorchCollectives(AlignedAllocator):
     """The default backend: ``torch.distributed`` on ``group``, storage from
     :func:`~aligndp.runtime.buffer.aligned_empty`. Subclass it to change one piece."""
@@ -103,13 +95,21 @@ class TorchCollectives(AlignedAllocator):
         self.group = group
         self.rank = dist.get_rank(group)
         self.dp_size = dist.get_world_size(group)
+        self._has_avg = dist.get_backend(group) == "nccl"  # asked once, not per bucket
+
+    def _mean_op(self, bucket: torch.Tensor) -> dist.ReduceOp:
+        """AVG where the backend has it (NCCL); else pre-divide in place and SUM."""
+        if self._has_avg:
+            return dist.ReduceOp.AVG
+        bucket.div_(self.dp_size)
+        return dist.ReduceOp.SUM
 
     def all_reduce_mean(self, bucket: torch.Tensor) -> dist.Work:
-        op = _mean_op(bucket, self.group)
+        op = self._mean_op(bucket)
         return dist.all_reduce(bucket, op=op, group=self.group, async_op=True)
 
     def reduce_scatter_mean(self, bucket: torch.Tensor) -> dist.Work:
-        op = _mean_op(bucket, self.group)
+        op = self._mean_op(bucket)
         out = shard_of(bucket, rank=self.rank, dp_size=self.dp_size)
         return _reduce_scatter(out, bucket, op=op, group=self.group, async_op=True)
 
