@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 from aligndp.lowp import MXLinear, quantize_mxfp8  # noqa: E402
 from aligndp.lowp.backends import ReferenceBackend, get_backend  # noqa: E402
 from aligndp.lowp.recipe import ScaleFormat  # noqa: E402
+from aligndp.plan.fused import GradTarget  # noqa: E402
 
 DEV = "cuda"
 
@@ -79,12 +80,14 @@ def test_fp8_1x128_quantise_kernels_agree_with_torch():
     assert (col.scale_t > 0).all() and col.scale_t[0, 5] == 1.0
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "fp8"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_wgrad_accumulates_in_place(backend, grad_dtype):
+def test_wgrad_accumulates_in_place(backend, grad_dtype, fresh):
     """main_grad (a view at element 256 of a buffer) += dy.T @ x, twice; triton (dequantised
     bf16 products, exact, summed in fp32) must match the reference to within float32 summation
-    order; fp8 (1x128) must be within fp8 error of fp32."""
+    order; fp8 (1x128) must be within fp8 error of fp32. A fresh view (NaN garbage) is
+    overwritten by the first wgrad, then added to."""
     be = get_backend(backend)
     g = torch.Generator(device=DEV).manual_seed(1)
     dy = torch.randn(1000, 384, generator=g, device=DEV, dtype=torch.bfloat16)
@@ -92,9 +95,11 @@ def test_wgrad_accumulates_in_place(backend, grad_dtype):
     buffer = torch.zeros(256 + 384 * 256 + 64, device=DEV, dtype=grad_dtype)
     view = buffer[256 : 256 + 384 * 256].view(384, 256)
     view.copy_(torch.randn(384, 256, generator=g, device=DEV))
-    start = view.float().clone()
-    be.wgrad_accumulate(dy, x, view)
-    be.wgrad_accumulate(dy, x, view)
+    start = torch.zeros_like(view, dtype=torch.float32) if fresh else view.float().clone()
+    if fresh:
+        view.fill_(float("nan"))
+    be.wgrad_into(dy, x, GradTarget(view, accumulate=not fresh))
+    be.wgrad_into(dy, x, GradTarget(view, accumulate=True))
     exact = start + 2 * (dy.float().T @ x.float())
     assert not buffer[:256].any() and not buffer[256 + 384 * 256 :].any()
     if backend == "triton":
@@ -110,7 +115,7 @@ def test_misaligned_main_grad_raises_before_the_kernel(backend):
     buffer = torch.zeros(10 + 64 * 64, device=DEV)
     dy = torch.randn(64, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="element 10"):
-        be.wgrad_accumulate(dy, dy, buffer[10:].view(64, 64))
+        be.wgrad_into(dy, dy, GradTarget(buffer[10:].view(64, 64), accumulate=True))
 
 
 @pytest.mark.parametrize("backend", ["triton", "fp8"])

@@ -15,18 +15,23 @@ from aligndp.lowp import MXLinear, convert_to_mxfp8
 from aligndp.lowp.backends import get_backend
 from aligndp.lowp.recipes import wgrad_requirements
 from aligndp.models.gpt import GPT, PRESETS, GPTConfig
-from aligndp.plan.fused import FusedWgradModule, fused_wgrad_modules
+from aligndp.plan.fused import FusedWgradModule, GradTarget, fused_wgrad_modules
 from aligndp.runtime.buffer import aligned_empty
 
 
 class RecordingSink:
-    """A fake GradSink: hands out views of one flat buffer and records mark_ready calls."""
+    """A fake GradSink: hands out views of one flat buffer and records mark_ready calls. With
+    ``fresh``, a view counts as holding nothing until its first mark_ready (the kernel must
+    overwrite it), as DataParallel's stale views do."""
 
-    def __init__(self, views: dict):
-        self.views, self.ready = views, []
+    def __init__(self, views: dict, *, fresh: bool = False):
+        self.views, self.ready, self.fresh = views, [], fresh
 
-    def main_grad(self, param):
-        return self.views.get(param)
+    def grad_target(self, param):
+        view = self.views.get(param)
+        if view is None:
+            return None
+        return GradTarget(view, accumulate=not self.fresh or param in self.ready)
 
     def mark_ready(self, param):
         self.ready.append(param)
@@ -195,10 +200,12 @@ def test_autocast_computes_like_nn_linear_in_the_autocast_dtype():
     assert x.grad.dtype == mxl.weight.grad.dtype == mxl.bias.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_fused_wgrad_accumulates_over_micro_batches(grad_dtype):
+def test_fused_wgrad_accumulates_over_micro_batches(grad_dtype, fresh):
     """Three micro-batches into a view at element 128 of a flat buffer: main_grad ends equal to
-    the sum of the three unfused wgrads; no param.grad is allocated; mark_ready once each."""
+    the sum of the three unfused wgrads; no param.grad is allocated; mark_ready once each. A
+    fresh view starts as NaN garbage: the first wgrad overwrites it, the others add."""
     _, mxl = make()
     batches = [torch.randn(2, 48, 64) for _ in range(3)]
     expected = torch.zeros(96, 64)
@@ -211,7 +218,10 @@ def test_fused_wgrad_accumulates_over_micro_batches(grad_dtype):
     buffer = aligned_empty(
         128 + 96 * 64 + 64, dtype=grad_dtype, device=torch.device("cpu"), align_bytes=256
     )
-    sink = RecordingSink({mxl.weight: buffer[128 : 128 + 96 * 64].view(96, 64)})
+    view = buffer[128 : 128 + 96 * 64].view(96, 64)
+    if fresh:
+        view.fill_(float("nan"))
+    sink = RecordingSink({mxl.weight: view}, fresh=fresh)
     mxl.bind_grad_sink(sink)
     for xb in batches:
         mxl(xb).sin().sum().backward()

@@ -18,6 +18,7 @@ import aligndp
 from aligndp.app.layout_cli import add_arguments
 from aligndp.lowp import MXLinear, convert_to_mxfp8, get_backend, recipe_names
 from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
+from aligndp.plan.fused import GradTarget
 from tests._dist import case, make_tests
 
 
@@ -48,12 +49,22 @@ def test_gemms_equal_the_hand_worked_reference(tokens, n_in, n_out, device):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=atol)
 
     close(y, by_hand(x) @ by_hand(w).T, 1e-5)
-    dx, dw = backend.backward(saved, dy, w, need_dgrad=True, need_wgrad=True, main_grad=None)
+    dx, dw = backend.backward(saved, dy, w, need_dgrad=True, need_wgrad=True, target=None)
     close(dx, by_hand(dy) @ by_hand(w), 1e-8)
     close(dw, by_hand(dy).T @ by_hand(x), 1e-8)
     main_grad = torch.full((n_out, n_in), 0.5, device=device)
-    backend.backward(saved, dy, w, need_dgrad=False, need_wgrad=True, main_grad=main_grad)
+    live = GradTarget(main_grad, accumulate=True)
+    backend.backward(saved, dy, w, need_dgrad=False, need_wgrad=True, target=live)
     torch.testing.assert_close(main_grad, 0.5 + dw, rtol=0, atol=0)
+    # a view that holds nothing yet (stale garbage) is overwritten by the GEMM itself
+    for dtype in (torch.float32, torch.bfloat16):
+        stale = torch.full((n_out, n_in), float("nan"), device=device, dtype=dtype)
+        fresh = GradTarget(stale, accumulate=False)
+        backend.backward(saved, dy, w, need_dgrad=False, need_wgrad=True, target=fresh)
+        if dtype == torch.float32:  # the same GEMM as dw's
+            torch.testing.assert_close(stale, dw, rtol=0, atol=0)
+        else:  # rounded once to bfloat16 (cuBLAS may pick another kernel for that output)
+            torch.testing.assert_close(stale.float(), dw, rtol=2**-7, atol=1e-3 * dw.abs().max())
     # per-tensor FP8 is coarse but close: a few percent of the largest entry
     assert (dw - dy.T @ x).abs().max() < 0.1 * (dy.T @ x).abs().max()
 

@@ -48,9 +48,9 @@ class FakeBackend(ReferenceBackend):
         super().__init__(recipe, name=name)
         self.fused_wgrads = 0
 
-    def wgrad_accumulate(self, grad_out, x, main_grad):
+    def wgrad_into(self, grad_out, x, target):
         self.fused_wgrads += 1
-        super().wgrad_accumulate(grad_out, x, main_grad)
+        super().wgrad_into(grad_out, x, target)
 
 
 def fake_recipe(name: str = "test-fake", backend: str = "fake-reference") -> Recipe:

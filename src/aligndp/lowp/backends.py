@@ -8,10 +8,11 @@ wgrad declares ([Note: wgrad recipes]). Before writing into ``main_grad`` every 
 the real view it was given (its pointer, shape, dtype), so a misplanned buffer is a
 ``ValueError`` that names the offset and the rule, never a kernel fault.
 
-- ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad;
-  the recipe's block, E8M0 scales.
+- ``reference`` (any device): quantise, dequantise, matmul in float32, add into main_grad
+  (or copy into it, when the view holds nothing yet); the recipe's block, E8M0 scales.
 - ``triton`` / ``fp8`` (Hopper, :mod:`aligndp.lowp.triton_backend`): the recipe's quantise
-  and block-scaled GEMM kernels, the wgrad accumulating in place.
+  and block-scaled GEMM kernels, the wgrad accumulating in place (or writing, when the view
+  holds nothing yet: [Note: write, not accumulate] in aligndp/plan/fused.py).
 Which backend a name means is read from the registered recipes; the GPU backends are
 imported (with Triton) on first use only, by module path.
 """
@@ -26,6 +27,7 @@ import torch
 from aligndp.lowp.mx_format import dequantize_mxfp8, padded_length, quantize_mxfp8
 from aligndp.lowp.recipe import Recipe, ScaleFormat
 from aligndp.lowp.recipes import backend_names, find_backend, get_recipe
+from aligndp.plan.fused import GradTarget
 from aligndp.plan.spec import Requirement
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "get_backend",
     "pad_tokens",
     "check_main_grad",
+    "put_wgrad",
 ]
 
 KERNEL_BYTE_ALIGNMENT = 16
@@ -53,6 +56,15 @@ def pad_tokens(t: torch.Tensor, multiple: int) -> torch.Tensor:
     if target == rows:
         return t
     return torch.cat([t, t.new_zeros(target - rows, *t.shape[1:])])
+
+
+def put_wgrad(target: GradTarget, wgrad: torch.Tensor) -> None:
+    """Add ``wgrad`` into ``target.view``, or copy it there when the view holds nothing yet
+    ([Note: write, not accumulate] in aligndp/plan/fused.py)."""
+    if target.accumulate:
+        target.view.add_(wgrad)
+    else:
+        target.view.copy_(wgrad)
 
 
 def check_main_grad(
@@ -169,13 +181,12 @@ class WgradBackend(abc.ABC):
     def wgrad(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``grad_out.T @ x`` (out, in) in float32; contraction over tokens."""
 
-    def wgrad_accumulate(
-        self, grad_out: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor
-    ) -> None:
-        """``main_grad += grad_out.T @ x`` after checking the view. Backends with an
-        in-place kernel override this; the default adds the float32 wgrad."""
-        self.check(main_grad, grad_out, x)
-        main_grad.add_(self.wgrad(grad_out, x))
+    def wgrad_into(self, grad_out: torch.Tensor, x: torch.Tensor, target: GradTarget) -> None:
+        """``target.view += grad_out.T @ x`` (``=`` when not ``target.accumulate``) after
+        checking the view. Backends with an in-place kernel override this; the default adds
+        (or copies) the float32 wgrad."""
+        self.check(target.view, grad_out, x)
+        put_wgrad(target, self.wgrad(grad_out, x))
 
     def forward_for_backward(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -196,19 +207,19 @@ class WgradBackend(abc.ABC):
         *,
         need_dgrad: bool,
         need_wgrad: bool,
-        main_grad: torch.Tensor | None,
+        target: GradTarget | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(grad_x, grad_w)`` for one :meth:`forward_for_backward` call, None where not needed.
-        With ``main_grad`` (a view of the grad buffer) the wgrad is accumulated into it, after
+        With a ``target`` (a view of the grad buffer) the wgrad goes into it as it says, after
         the checks of :meth:`check`, and ``grad_w`` is None."""
         grad_x = self.dgrad(grad_out, weight) if need_dgrad else None
         grad_w = None
         if need_wgrad:
             x = saved.to(grad_out.dtype)
-            if main_grad is None:
+            if target is None:
                 grad_w = self.wgrad(grad_out, x)
             else:
-                self.wgrad_accumulate(grad_out, x, main_grad)
+                self.wgrad_into(grad_out, x, target)
         return grad_x, grad_w
 
 

@@ -6,8 +6,9 @@ layers can be converted, its requirements what the fused wgrad needs of ``main_g
 
 The weight gradient can be fused into the data-parallel grad buffer: see [Note: fused wgrad]
 in :mod:`aligndp.plan.fused`. With a sink bound and a view available, backward accumulates
-``grad_out.T @ x`` straight into ``sink.main_grad(weight)`` (float32 or bfloat16, whatever
-the weight's dtype), returns no weight gradient (so no ``param.grad`` is allocated) and calls
+``grad_out.T @ x`` straight into ``sink.grad_target(weight)`` (float32 or bfloat16, whatever
+the weight's dtype; written rather than added when the view holds nothing yet), returns no
+weight gradient (so no ``param.grad`` is allocated) and calls
 ``sink.mark_ready(weight)``. The bias gradient always flows through plain autograd.
 """
 
@@ -65,15 +66,15 @@ class _MXLinearFunction(torch.autograd.Function):
         backend, sink = ctx.backend, ctx.sink
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        main_grad = sink.main_grad(weight) if sink is not None and need_wgrad else None
+        target = sink.grad_target(weight) if sink is not None and need_wgrad else None
         grad_x, grad_w = backend.backward(
-            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad, main_grad=main_grad
+            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad, target=target
         )
         if grad_x is not None:
             grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        if main_grad is not None:
+        if target is not None:
             sink.mark_ready(weight)
         grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None

@@ -5,8 +5,10 @@ tensor just before use, so the GEMM needs no per-block promotion: ``torch._scale
 (cuBLASLt on CUDA, a CPU kernel otherwise) multiplies the two scales into its epilogue. That
 is the cheapest FP8 GEMM there is; the price is precision, since one outlier sets the scale of
 every element. The forward GEMM uses cuBLAS's fast accumulation; dgrad and wgrad, whose
-contraction dims are long, do not. The wgrad is computed in float32 and added into
-``main_grad`` (cuBLASLt cannot accumulate into its output through ``_scaled_mm``).
+contraction dims are long, do not. The first wgrad of a step is written by the GEMM straight
+into ``main_grad`` ([Note: write, not accumulate] in aligndp/plan/fused.py); later ones are
+computed in float32 and added (cuBLASLt cannot accumulate into its output through
+``_scaled_mm``).
 
 A tensor's per-tensor scale is the same for it and its transpose, so each operand is
 quantised once, and the pass that casts it also writes the transposed layout its other GEMM
@@ -75,8 +77,9 @@ class _Saved(NamedTuple):
     weight: Quantized
 
 
-def _mm(a: Quantized, b_t: Quantized, dtype, *, fast: bool, bias=None) -> torch.Tensor:
-    """``a @ b_t.data.T`` scaled, ``a`` row-major (M, K), ``b_t`` row-major (N, K)."""
+def _mm(a: Quantized, b_t: Quantized, dtype, *, fast: bool, bias=None, out=None) -> torch.Tensor:
+    """``a @ b_t.data.T`` scaled, ``a`` row-major (M, K), ``b_t`` row-major (N, K); into
+    ``out`` (row-major (M, N) of ``dtype``) when given."""
     return torch._scaled_mm(
         a.data,
         b_t.data.t(),  # (K, N) column-major, as cuBLASLt wants its second operand
@@ -85,6 +88,7 @@ def _mm(a: Quantized, b_t: Quantized, dtype, *, fast: bool, bias=None) -> torch.
         bias=bias,
         out_dtype=dtype,
         use_fast_accum=fast,
+        out=out,
     )
 
 
@@ -115,20 +119,22 @@ class TensorScaledBackend(WgradBackend):
         bias = None if bias is None else bias.to(x.dtype)
         return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
 
-    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, main_grad):
+    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, target):
         if not (need_dgrad or need_wgrad):
             return None, None
         g = quantize_tensor(grad_out, transposed=need_wgrad)
         grad_x = _mm(g, saved.weight.t(), grad_out.dtype, fast=False) if need_dgrad else None
         grad_w = None
         if need_wgrad:
-            if main_grad is not None:
-                self.check(main_grad, grad_out, saved.x.data)
-            w = _mm(g.t(), saved.x.t(), torch.float32, fast=False)
-            if main_grad is None:
-                grad_w = w
+            if target is None:
+                grad_w = _mm(g.t(), saved.x.t(), torch.float32, fast=False)
             else:
-                main_grad.add_(w)
+                self.check(target.view, grad_out, saved.x.data)
+                if target.accumulate:
+                    target.view.add_(_mm(g.t(), saved.x.t(), torch.float32, fast=False))
+                else:  # the GEMM writes the view itself: no zeroing, no add pass
+                    view = target.view
+                    _mm(g.t(), saved.x.t(), view.dtype, fast=False, out=view)
         return grad_x, grad_w
 
 

@@ -3,12 +3,12 @@
 scales); the block and scale format come from the recipe.
 
 Both quantise each operand along its GEMM's contraction dim and run the block-scaled GEMM of
-:mod:`aligndp.lowp.triton_kernels`, whose wgrad accumulates in place into ``main_grad`` after
-the pointer checks of :class:`~aligndp.lowp.backends.WgradBackend`. Inside MXLinear every
-tensor is quantised once, rows and columns in one pass, for both GEMMs that read it: ``x``
-(forward, then wgrad, saved as fp8), the weight (forward, then dgrad) and ``grad_out``
-(dgrad and wgrad): three quantise launches per layer and step instead of six, and fp8 rather
-than ``x`` kept for backward. Importing this module imports Triton;
+:mod:`aligndp.lowp.triton_kernels`, whose wgrad accumulates in place into ``main_grad`` (or
+writes it) after the pointer checks of :class:`~aligndp.lowp.backends.WgradBackend`. Inside
+MXLinear every tensor is quantised once, rows and columns in one pass, for both GEMMs that
+read it: ``x`` (forward, then wgrad, saved as fp8), the weight (forward, then dgrad) and
+``grad_out`` (dgrad and wgrad): three quantise launches per layer and step instead of six,
+and fp8 rather than ``x`` kept for backward. Importing this module imports Triton;
 :func:`aligndp.lowp.backends.get_backend` does so lazily.
 """
 
@@ -19,10 +19,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from aligndp.lowp.backends import WgradBackend, pad_tokens
+from aligndp.lowp.backends import WgradBackend, pad_tokens, put_wgrad
 from aligndp.lowp.mx_format import padded_length
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_kernels import QuantizedOperand, quantize_rows_and_columns, scaled_gemm
+from aligndp.plan.fused import GradTarget
 
 __all__ = ["TritonBackend"]
 
@@ -101,25 +102,24 @@ class TritonBackend(WgradBackend):
         a, b = self._wgrad_operands(grad_out, x)
         return self._gemm(a, b, grad_out.shape[1], x.shape[1], torch.float32)
 
-    def wgrad_accumulate(self, grad_out, x, main_grad):
-        self.check(main_grad, grad_out, x)
-        self._accumulate(*self._wgrad_operands(grad_out, x), main_grad)
+    def wgrad_into(self, grad_out, x, target):
+        self.check(target.view, grad_out, x)
+        self._into(*self._wgrad_operands(grad_out, x), target)
 
-    def _accumulate(
-        self, a: QuantizedOperand, b: QuantizedOperand, main_grad: torch.Tensor
-    ) -> None:
-        """``main_grad += A @ B.T``, in place unless a feature dim was padded to the block."""
-        rows, cols = main_grad.shape
+    def _into(self, a: QuantizedOperand, b: QuantizedOperand, target: GradTarget) -> None:
+        """``view += A @ B.T`` (``=`` unless ``target.accumulate``), in place unless a feature
+        dim was padded to the block."""
+        rows, cols = target.view.shape
         if rows % self.block or cols % self.block:  # ragged feature dims: no in-place kernel
-            main_grad.add_(self._gemm(a, b, rows, cols, torch.float32))
+            put_wgrad(target, self._gemm(a, b, rows, cols, torch.float32))
         else:
             scaled_gemm(
                 a,
                 b,
-                main_grad,
+                target.view,
                 block=self.block,
                 scale_format=self.recipe.scale_format,
-                accumulate=True,
+                accumulate=target.accumulate,
             )
 
     def forward_for_backward(self, x, weight, bias=None):
@@ -130,7 +130,7 @@ class TritonBackend(WgradBackend):
         )  # bias in the epilogue
         return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
 
-    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, main_grad):
+    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, target):
         x_col, w_col, tokens, n_in, n_out = saved
         if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
             return None, None
@@ -138,9 +138,9 @@ class TritonBackend(WgradBackend):
         grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
         grad_w = None
         if need_wgrad:
-            if main_grad is None:
+            if target is None:
                 grad_w = self._gemm(dy_col, x_col, n_out, n_in, torch.float32)
             else:
-                self.check_main_grad(main_grad, shape=(n_out, n_in), device=grad_out.device)
-                self._accumulate(dy_col, x_col, main_grad)
+                self.check_main_grad(target.view, shape=(n_out, n_in), device=grad_out.device)
+                self._into(dy_col, x_col, target)
         return grad_x, grad_w

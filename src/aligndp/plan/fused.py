@@ -5,30 +5,50 @@ A module whose backward accumulates its weight gradient straight into the gradie
 (gradient-accumulation fusion, e.g. :class:`aligndp.lowp.MXLinear`) implements
 :class:`FusedWgradModule`. The data-parallel wrapper, which owns the one mapping from params
 to buffer views, binds a :class:`GradSink` into every such module at wrap time. In backward
-the module asks ``sink.main_grad(weight)`` for the view, accumulates into it, returns ``None``
-as the weight's autograd gradient (so no ``param.grad`` is ever allocated and the
+the module asks ``sink.grad_target(weight)`` for the view, writes its wgrad into it, returns
+``None`` as the weight's autograd gradient (so no ``param.grad`` is ever allocated and the
 post-accumulate hook does not fire) and calls ``sink.mark_ready(weight)`` so bucket readiness
 still counts it. Each such module also declares the :class:`~aligndp.plan.spec.Requirement` its
 kernel needs, and :func:`aligndp.parallelize` plans every buffer with it.
+
+[Note: write, not accumulate]
+The first contribution to a view after ``zero_grad`` need not be added to anything: the view
+is stale (not yet zeroed: [Note: lazy zeroing] in ddp.py), and zeroing it only to read the
+zeros back costs two passes over the view and a third to read the GEMM's output. So the sink
+says which it is: :attr:`GradTarget.accumulate` False means the kernel must overwrite every
+element of the view (a GEMM with the view as its output), True that it must add. The sink
+counts the view as written only when ``mark_ready`` comes, so a kernel that raises before it
+leaves the view stale, to be zeroed lazily as before. A weight used twice in one backward
+(tied, or a layer called twice) writes once and accumulates the second time.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from aligndp.plan.spec import Requirement
 
-__all__ = ["GradSink", "FusedWgradModule", "fused_wgrad_modules"]
+__all__ = ["GradSink", "GradTarget", "FusedWgradModule", "fused_wgrad_modules"]
+
+
+class GradTarget(NamedTuple):
+    """Where a fused kernel puts one weight gradient ([Note: write, not accumulate])."""
+
+    view: torch.Tensor
+    """The param's view of the grad buffer (``main_grad``), shaped like the param."""
+    accumulate: bool
+    """True: add the gradient to the view. False: the view holds nothing of this step;
+    overwrite every element of it."""
 
 
 class GradSink(Protocol):
-    def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The buffer view to accumulate ``param``'s gradient into, or None if it has none."""
+    def grad_target(self, param: torch.nn.Parameter) -> GradTarget | None:
+        """Where to put ``param``'s gradient, or None if it has no view (plain autograd)."""
 
     def mark_ready(self, param: torch.nn.Parameter) -> None:
-        """Count one gradient contribution of ``param`` as accumulated (readiness)."""
+        """Count one gradient contribution of ``param`` as written into its view."""
 
 
 @runtime_checkable

@@ -28,8 +28,9 @@ The first synchronised backward launches everything at its end.
 [Note: lazy zeroing]
 ``zero_grad`` does not write the buffers; it marks every param's ``main_grad`` stale. A
 param's first gradient of the step is *copied* into its view, later ones added; a view still
-stale when its bucket is launched — an unused param — is zeroed then, and so is one handed to
-a fused wgrad kernel. Padding is never written, so it stays zero.
+stale when its bucket is launched — an unused param — is zeroed then. A fused wgrad kernel
+handed a stale view overwrites it ([Note: write, not accumulate] in aligndp/plan/fused.py).
+Padding is never written, so it stays zero.
 """
 
 from __future__ import annotations

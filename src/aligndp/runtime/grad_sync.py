@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from aligndp.plan.fused import GradTarget
 from aligndp.plan.spec import Mode
 from aligndp.runtime.collectives import Work
 from aligndp.runtime.grads import same_storage
@@ -76,13 +77,13 @@ class GradSync:
         while it is unchanged."""
 
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/plan/fused.py) ----
-    def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+    def grad_target(self, param: nn.Parameter) -> GradTarget | None:
         slot = self._slot.get(param)
         if slot is None:
             return None
         self._reopen()
-        self._take(param)
-        return slot.view
+        # a stale view stays stale until mark_ready ([Note: write, not accumulate])
+        return GradTarget(slot.view, accumulate=param not in self._stale)
 
     def main_grad_view(self, param: nn.Parameter) -> torch.Tensor:
         """``param.main_grad`` for users: the view, zeroed first if stale. Touching it during a
@@ -93,9 +94,10 @@ class GradSync:
         return self._slot[param].view
 
     def mark_ready(self, param: nn.Parameter) -> None:
-        """A fused-wgrad kernel has accumulated ``param``'s gradient into its view."""
+        """A fused-wgrad kernel has written ``param``'s gradient into its view."""
         self._queue_end_of_backward()
         self._reopen()
+        self._stale.discard(param)
         self._begin_accumulating()
         self._arrived(param)
 
