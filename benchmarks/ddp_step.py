@@ -2,6 +2,8 @@ r"""DDP step time against torch DDP, each as step / local fwd+bwd, measured in o
 
 GPU (the figure we report):
     torchrun --nproc-per-node 2 benchmarks/ddp_step.py --preset 1b --batch 8
+A/B of aligndp's collectives backends (NCCL kernels vs copy engines on symmetric memory):
+    torchrun --nproc-per-node 2 benchmarks/ddp_step.py --preset 1b --collectives symm-mem
 CPU smoke run (gloo):
     torchrun --nproc-per-node 2 benchmarks/ddp_step.py \
         --preset demo --device cpu --batch 4 --iters 2
@@ -31,6 +33,7 @@ from _bench import (
     log,
 )
 
+import aligndp
 from aligndp.models.gpt import PRESETS
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 
@@ -75,13 +78,14 @@ def aligndp_ddp_step(
     overlap: bool = True,
     process_group: dist.ProcessGroup | None = None,
     no_comm: bool = False,
+    collectives: str = "torch",
 ) -> AligndpStep:
     """Seconds per aligndp step: zero_grad_buffer + fwd+bwd + finish_grad_sync. ``model`` is
     wrapped here and unwrapped (hooks removed) before returning."""
     ours = DataParallel(
         model,
         process_group=process_group,
-        config=DDPConfig(bucket_numel=bucket_numel, overlap=overlap),
+        config=DDPConfig(bucket_numel=bucket_numel, overlap=overlap, collectives=collectives),
     )
     if no_comm:
         ours.dp_size = 1  # benchmark-only: skip the collectives, keep hooks and copies
@@ -125,8 +129,18 @@ def main() -> None:
         action="store_true",
         help="also time aligndp with collectives skipped (hook cost)",
     )
+    ap.add_argument(
+        "--collectives",
+        default="torch",
+        help="aligndp's collectives backend for every aligndp run: torch (NCCL), or symm-mem "
+        "(the copy-engine experiment of symm_mem_collectives.py; NCCL on CUDA only)",
+    )
     args = ap.parse_args()
 
+    if args.collectives == "symm-mem":  # the copy-engine experiment, registered as a script does
+        from symm_mem_collectives import SymmMemCollectives
+
+        aligndp.register_collectives(SymmMemCollectives.name, SymmMemCollectives)
     device, dtype = init(args.device)
     cuda = device.type == "cuda"
     timing = Timing(device, args.iters, args.warmup)
@@ -138,6 +152,7 @@ def main() -> None:
         device=device_label(device),
         preset=args.preset,
         batch=args.batch,
+        collectives=args.collectives,
         seq_len=cfg.seq_len,
     )
 
@@ -182,12 +197,14 @@ def main() -> None:
             overlap=overlap,
             process_group=group,
             no_comm=no_comm,
+            collectives=args.collectives,
         )
         log(
             what="aligndp_ddp",
             bucket_numel=numel,
             overlap=overlap,
             group=name,
+            collectives=args.collectives,
             no_comm=no_comm,
             buckets=len(r.bucket_numels),
             padding_fraction=r.padding_fraction,

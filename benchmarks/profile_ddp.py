@@ -1,31 +1,62 @@
-"""Where does the DDP overhead go? Kernel timelines of one aligndp step, with and without comm.
+"""Where does the DDP overhead go? Per-kernel GPU time of aligndp steps with and without
+communication, on every rank.
 
-    torchrun --nproc-per-node 2 benchmarks/profile_ddp.py --out DIR
+    torchrun --nproc-per-node 2 benchmarks/profile_ddp.py --out DIR [--preset 1b --batch 8]
 
-Writes, on rank 0, ``DIR/summary.json``: per variant, the step's wall span, summed kernel time
-by class (GEMM, NCCL, elementwise/other), and when the last NCCL kernel ends relative to the
-last compute kernel — which separates "comm exposed after backward" from "compute slowed by
-comm running beside it".
+The same model is wrapped once per variant and stepped back to back (zero_grad_buffer, forward,
+backward, finish_grad_sync), as ``ddp_step.py`` times it; ``--steps`` steps are profiled after
+warm-up, on every rank at once:
+
+- ``no_comm``: collectives skipped (``dp_size`` forced to 1, benchmark-only): the compute alone.
+- ``torch``: NCCL kernels reduce the buckets beside backward (the default backend).
+- ``symm-mem``: the copy engines move the bytes; SMs run only the mean and the barriers (the
+  experiment of symm_mem_collectives.py).
+- ``half-bytes`` (a diagnostic with wrong numerics, never a result): NCCL reduces the first
+  half of every bucket only. If the slowdown of compute kernels halves too, it is the bytes
+  moved (HBM and NVLink traffic), not the collective's SMs or its launches.
+
+Rank 0 writes ``DIR/summary.json`` with every rank's figures (wall ms per step, kernel ms per
+step by class, and per kernel name) and prints, per rank and variant, what grew against
+``no_comm``: the kernel classes and the kernels with the largest growth.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
+from _bench import build_gpt, init
+from symm_mem_collectives import SymmMemCollectives
 from torch.profiler import ProfilerActivity, profile
 
-from aligndp.models.gpt import GPT, PRESETS
+import aligndp
+from aligndp.models.gpt import PRESETS
+from aligndp.runtime.collectives import TorchCollectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
+
+VARIANTS = ("no_comm", "torch", "symm-mem", "half-bytes")
+
+
+class HalfBytes(TorchCollectives):
+    """Diagnostic only: all-reduces the first half of each bucket (the rest stays local)."""
+
+    name = "half-bytes"
+
+    def all_reduce_mean(self, bucket: torch.Tensor):
+        return super().all_reduce_mean(bucket[: bucket.numel() // 2])
 
 
 def classify(name: str) -> str:
     n = name.lower()
     if "nccl" in n:
         return "nccl"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy"
     if "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "xmma" in n:
         return "gemm"
     if "flash" in n or "attention" in n or "fmha" in n:
@@ -33,69 +64,138 @@ def classify(name: str) -> str:
     return "other"
 
 
-def summarize(prof) -> dict:
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = [(e.time_range.start, e.time_range.end, classify(e.name)) for e in kernels]
-    if not spans:
-        return {}
-    start = min(s for s, _, _ in spans)
-    by_class: dict[str, float] = {}
-    for s, e, c in spans:
-        by_class[c] = by_class.get(c, 0.0) + (e - s) / 1e3
-    compute_end = max(e for s, e, c in spans if c != "nccl")
-    nccl = [(s, e) for s, e, c in spans if c == "nccl"]
-    out = {
-        "span_ms": (max(e for _, e, _ in spans) - start) / 1e3,
-        "kernel_ms_by_class": by_class,
-        "compute_end_ms": (compute_end - start) / 1e3,
+def kernel_ms(prof, steps: int) -> dict[str, float]:
+    """GPU ms per step of every kernel (and memcpy) name, summed over its launches."""
+    per_name: dict[str, float] = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e3 / steps
+    return dict(per_name)
+
+
+def by_class(kernels: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for name, ms in kernels.items():
+        out[classify(name)] += ms
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
+def profile_variant(model, idx, variant: str, *, bucket_numel: int, steps: int) -> dict:
+    collectives = {"no_comm": "torch", "torch": "torch"}.get(variant, variant)
+    ours = DataParallel(model, config=DDPConfig(bucket_numel=bucket_numel, collectives=collectives))
+    if variant == "no_comm":
+        ours.dp_size = 1  # benchmark-only: skip the collectives, keep hooks and copies
+
+    def step() -> None:
+        ours.zero_grad_buffer()
+        ours(idx, idx).backward()
+        ours.finish_grad_sync()
+
+    try:
+        for _ in range(4):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) / steps * 1e3
+        kernels = kernel_ms(prof, steps)
+        return {"wall_ms": round(wall, 2), "by_class": by_class(kernels), "kernels": kernels}
+    finally:
+        ours.remove_hooks()
+
+
+def growth(result: dict, base: dict, top: int) -> dict:
+    """What grew against ``base``: per class, and the ``top`` kernels with most growth."""
+    classes = set(result["by_class"]) | set(base["by_class"])
+    delta_class = {
+        c: round(result["by_class"].get(c, 0.0) - base["by_class"].get(c, 0.0), 3)
+        for c in sorted(classes)
     }
-    if nccl:
-        out["nccl_first_start_ms"] = (min(s for s, _ in nccl) - start) / 1e3
-        out["nccl_last_end_ms"] = (max(e for _, e in nccl) - start) / 1e3
-        out["nccl_after_compute_ms"] = (max(e for _, e in nccl) - compute_end) / 1e3
-        out["nccl_kernels"] = len(nccl)
-    return out
+    names = set(result["kernels"]) | set(base["kernels"])
+    deltas = {n: result["kernels"].get(n, 0.0) - base["kernels"].get(n, 0.0) for n in names}
+    grown = sorted(
+        (n for n in deltas if classify(n) not in ("nccl", "memcpy")),
+        key=lambda n: -deltas[n],
+    )
+    return {
+        "wall_ms": round(result["wall_ms"] - base["wall_ms"], 2),
+        "by_class": delta_class,
+        "top_compute_kernels": [
+            {
+                "kernel": n,
+                "base_ms": round(base["kernels"].get(n, 0.0), 3),
+                "delta_ms": round(deltas[n], 3),
+            }
+            for n in grown[:top]
+        ],
+    }
+
+
+def report(rank: int, entry: dict) -> None:
+    print(f"== rank {rank}")
+    for v, r in entry.items():
+        if not (isinstance(r, dict) and "wall_ms" in r):
+            continue
+        print(f"  {v}: wall {r['wall_ms']} ms/step, kernel ms by class {r['by_class']}")
+        g = r.get("growth_vs_no_comm")
+        if g:
+            print(f"    vs no_comm: wall +{g['wall_ms']} ms, by class {g['by_class']}")
+            for k in g["top_compute_kernels"][:5]:
+                print(f"      {k['delta_ms']:+.3f} ms (of {k['base_ms']}) {k['kernel']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--bucket-numel", type=int, default=40_000_000)
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device, dtype = init("cuda")
+    aligndp.register_collectives(HalfBytes.name, HalfBytes)
+    aligndp.register_collectives(SymmMemCollectives.name, SymmMemCollectives)
     cfg = PRESETS[args.preset]
-    torch.manual_seed(0)
-    model = GPT(cfg).cuda().to(torch.bfloat16)
-    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device="cuda")
-    ours = DataParallel(model, config=DDPConfig(bucket_numel=40_000_000))
-    results = {}
-    for variant in ("overlap", "no_comm", "no_overlap"):
-        ours.dp_size = 1 if variant == "no_comm" else dist.get_world_size()  # benchmark-only switch
-        ours.config = DDPConfig(bucket_numel=40_000_000, overlap=variant != "no_overlap")
-
-        def step() -> None:
-            ours.zero_grad_buffer()
-            ours(idx, idx).backward()
-            ours.finish_grad_sync()
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        results[variant] = summarize(prof)
-        if variant == "overlap" and dist.get_rank() == 0:
-            os.makedirs(args.out, exist_ok=True)
-            prof.export_chrome_trace(os.path.join(args.out, "trace_overlap.json"))
+    model = build_gpt(args.preset, device, dtype)
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
+    mine: dict[str, dict] = {}
+    for variant in args.variants.split(","):
+        mine[variant] = profile_variant(
+            model, idx, variant, bucket_numel=args.bucket_numel, steps=args.steps
+        )
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
+        summary: dict = {
+            "preset": args.preset,
+            "batch": args.batch,
+            "bucket_numel": args.bucket_numel,
+            "steps": args.steps,
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "ranks": [],
+        }
+        for rank, res in enumerate(ranks):
+            entry = {v: {k: r[k] for k in ("wall_ms", "by_class")} for v, r in res.items()}
+            if "no_comm" in res:
+                for v in res:
+                    if v != "no_comm":
+                        entry[v]["growth_vs_no_comm"] = growth(res[v], res["no_comm"], top=8)
+            entry["kernels_no_comm_top"] = dict(
+                sorted(res.get("no_comm", {}).get("kernels", {}).items(), key=lambda kv: -kv[1])[
+                    :25
+                ]
+            )
+            summary["ranks"].append(entry)
+            report(rank, entry)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        print(json.dumps(results, indent=1))
+            json.dump(summary, f, indent=1)
     dist.destroy_process_group()
 
 
