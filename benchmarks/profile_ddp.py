@@ -57,6 +57,8 @@ def classify(name: str) -> str:
         return "nccl"
     if "memcpy" in n or "memset" in n:
         return "memcpy"
+    if "adam" in n or "multi_tensor" in n:
+        return "optimizer"
     if "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "xmma" in n:
         return "gemm"
     if "flash" in n or "attention" in n or "fmha" in n:
