@@ -82,6 +82,37 @@ def by_class(kernels: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(out.items())}
 
 
+def profile_steps(step, *, steps: int, warmup: int) -> dict:
+    """``step()`` ``warmup`` times, then ``steps`` times back to back under the CUDA profiler
+    (every rank starts together): wall ms per step, and kernel ms per step by class and by
+    kernel name."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps * 1e3
+    kernels = kernel_ms(prof, steps)
+    return {"wall_ms": round(wall, 2), "by_class": by_class(kernels), "kernels": kernels}
+
+
+def print_growth(what: str, g: dict, top: int) -> None:
+    """One :func:`growth` result: the wall and class deltas, then the top kernels."""
+    print(f"    {what}: wall {g['wall_ms']:+} ms, by class {g['by_class']}")
+    for k in g["top_compute_kernels"][:top]:
+        print(f"      {k['delta_ms']:+.3f} ms (of {k['base_ms']}) {k['kernel']}")
+
+
+def write_summary(out_dir: str, summary: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
 def profile_variant(model, idx, variant: str, *, bucket_numel: int, steps: int) -> dict:
     collectives = {"no_comm": "torch", "torch": "torch"}.get(variant, variant)
     ours = DataParallel(model, config=DDPConfig(bucket_numel=bucket_numel, collectives=collectives))
@@ -94,18 +125,7 @@ def profile_variant(model, idx, variant: str, *, bucket_numel: int, steps: int) 
         ours.finish_grad_sync()
 
     try:
-        for _ in range(4):
-            step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t) / steps * 1e3
-        kernels = kernel_ms(prof, steps)
-        return {"wall_ms": round(wall, 2), "by_class": by_class(kernels), "kernels": kernels}
+        return profile_steps(step, steps=steps, warmup=4)
     finally:
         ours.remove_hooks()
 
@@ -143,11 +163,8 @@ def report(rank: int, entry: dict) -> None:
         if not (isinstance(r, dict) and "wall_ms" in r):
             continue
         print(f"  {v}: wall {r['wall_ms']} ms/step, kernel ms by class {r['by_class']}")
-        g = r.get("growth_vs_no_comm")
-        if g:
-            print(f"    vs no_comm: wall +{g['wall_ms']} ms, by class {g['by_class']}")
-            for k in g["top_compute_kernels"][:5]:
-                print(f"      {k['delta_ms']:+.3f} ms (of {k['base_ms']}) {k['kernel']}")
+        if "growth_vs_no_comm" in r:
+            print_growth("vs no_comm", r["growth_vs_no_comm"], top=5)
 
 
 def main() -> None:
@@ -195,9 +212,7 @@ def main() -> None:
             )
             summary["ranks"].append(entry)
             report(rank, entry)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        write_summary(args.out, summary)
     dist.destroy_process_group()
 
 

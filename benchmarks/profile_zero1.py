@@ -19,16 +19,13 @@ Rank 0 writes ``DIR/summary.json`` (every rank: wall ms per step, kernel ms per 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _bench import build_gpt, init
-from profile_ddp import by_class, growth, kernel_ms
-from torch.profiler import ProfilerActivity, profile
+from profile_ddp import growth, print_growth, profile_steps, write_summary
+from zero1_step import torch_ddp_adamw
 
 import aligndp
 from aligndp.models.gpt import PRESETS
@@ -39,15 +36,7 @@ VARIANTS = ("torch_adamw", "ddp_adamw", "zero1")
 def make_step(variant: str, model: nn.Module, idx: torch.Tensor, bucket_numel: int):
     """``(step, cleanup)`` for one variant on ``model``."""
     if variant == "torch_adamw":
-        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-        def step() -> None:
-            ddp(idx, idx).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step, lambda: None
+        return torch_ddp_adamw(model, idx)[0], lambda: None
     ours, opt = aligndp.parallelize(
         model,
         sharding="zero1" if variant == "zero1" else "none",
@@ -77,18 +66,7 @@ def profile_variant(variant: str, args, device, dtype) -> dict:
     model = build_gpt(args.preset, device, dtype)
     step, cleanup = make_step(variant, model, idx, args.bucket_numel)
     try:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t) / args.steps * 1e3
-        kernels = kernel_ms(prof, args.steps)
-        return {"wall_ms": round(wall, 2), "by_class": by_class(kernels), "kernels": kernels}
+        return profile_steps(step, steps=args.steps, warmup=3)
     finally:
         cleanup()
         del model, step
@@ -120,13 +98,8 @@ def main() -> None:
             for v in VARIANTS:
                 print(f"  {v}: wall {entry[v]['wall_ms']} ms/step, by class {entry[v]['by_class']}")
             for peer in ("torch_adamw", "ddp_adamw"):
-                g = entry["zero1"][f"vs_{peer}"]
-                print(f"  zero1 - {peer}: wall {g['wall_ms']:+} ms, by class {g['by_class']}")
-                for k in g["top_compute_kernels"][:4]:
-                    print(f"      {k['delta_ms']:+.3f} ms (of {k['base_ms']}) {k['kernel']}")
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+                print_growth(f"zero1 - {peer}", entry["zero1"][f"vs_{peer}"], top=4)
+        write_summary(args.out, summary)
     dist.destroy_process_group()
 
 

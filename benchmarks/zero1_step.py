@@ -41,9 +41,11 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def torch_ddp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing) -> tuple[float, int]:
-    """Seconds per torch DDP (bf16 grads, gradient_as_bucket_view) + fused AdamW step, and the
-    optimizer's state bytes per rank."""
+def torch_ddp_adamw(
+    model: nn.Module, idx: torch.Tensor
+) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+    """The peer's training step as a function — torch DDP (bf16 grads,
+    gradient_as_bucket_view) + ``AdamW(fused=True)`` — and its optimizer."""
     ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -52,6 +54,13 @@ def torch_ddp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing) ->
         torch_opt.step()
         torch_opt.zero_grad(set_to_none=True)
 
+    return torch_step, torch_opt
+
+
+def torch_ddp_adamw_step(model: nn.Module, idx: torch.Tensor, timing: Timing) -> tuple[float, int]:
+    """Seconds per torch DDP + fused AdamW step (:func:`torch_ddp_adamw`), and the optimizer's
+    state bytes per rank."""
+    torch_step, torch_opt = torch_ddp_adamw(model, idx)
     return timing(torch_step), state_bytes(torch_opt)
 
 
