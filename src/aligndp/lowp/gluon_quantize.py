@@ -15,8 +15,16 @@ is stored in the load layout, and the column-wise (transposed) fp8 is the same p
 register order flipped (a register permutation, no shared memory), stored as 8-byte vectors
 filling whole 32-byte sectors. The maximum propagates NaN, so one reduction finds NaN and inf
 blocks (scale byte 255, as :mod:`aligndp.lowp.mx_format`); sm_90's ``cvt.rn.satfinite`` saturates
-and keeps NaN, so no clamp is needed. 1x128 fp8 blocks span warps (the reduction then goes
-through shared memory) and run a persistent grid that loads its next tile first.
+and keeps NaN, so no clamp is needed.
+
+A 128 x 128 tile of 1x128 blocks holds 16 K elements, more than one warp can hold in registers,
+so in any one layout the blocks of one of the two directions span warps. Reducing across warps
+(shared memory and barriers for each maximum) made the column half the slower one (0.76 of a
+copy alone, 0.75 both ways). Instead the tile is quantised row-wise in its load layout, where a
+row block sits in one warp, then moved once, through shared memory, into a second layout where
+a column block sits in one warp (:data:`_COLUMN_LAYOUTS`): 0.83 of a copy both ways. What bounds
+it is registers: 246 per thread allow two 4-warp programs per SM, whose latency the persistent
+grid hides by loading its next tile first (measured: quantise_1x128_2026-11-30.md).
 """
 
 from __future__ import annotations
@@ -84,14 +92,32 @@ def _linear_layouts(
     )
 
 
-# measured on H200 (benchmarks/results/mx_kernels_2026-11-30.md): block 32, 32 x 256 tiles of 4
-# warps, 8 x 8 per thread; block 128, 128 x 128 tiles of 4 warps, 8 x 16 per thread, persistent
+# measured on H200 (benchmarks/results/mx_kernels_2026-11-30.md, quantise_1x128_2026-11-30.md):
+# block 32, 32 x 256 tiles of 4 warps, 8 x 8 per thread, both ways in the load layout; block 128,
+# 128 x 128 tiles of 4 warps, persistent, rows in a layout of 8 x 16 per thread (a row block in
+# one warp), columns in one of 16 x 8 per thread (a column block in one warp)
 _LAYOUTS = {
     32: dict(reg_m=3, lane_m=2, warp_m=0, reg_n=3, lane_n=3, warp_n=2),
     128: dict(reg_m=3, lane_m=2, warp_m=2, reg_n=3, lane_n=3, warp_n=0, rep_n=1),
 }
+_COLUMN_LAYOUTS = {128: dict(reg_m=4, lane_m=3, warp_m=0, reg_n=3, lane_n=2, warp_n=2)}
+"""Where a column block would span warps in the load layout: the layout the tile is moved to
+(one trip through shared memory) for the column-wise half, so its block maxima stay in one warp
+and each thread stores 16 consecutive bytes of the transposed copy."""
 _PERSISTENT = {32: 0, 128: 2}  # programs per SM; 0: one program per tile
 _LAYOUT_CACHE: dict[int, tuple] = {}
+
+
+def _layouts(block: int) -> tuple:
+    """(load layout, column layout, column-store layout, TILE_M, TILE_N, num_warps)."""
+    if block not in _LAYOUT_CACHE:
+        L, LC, tile_m, tile_n, num_warps = _linear_layouts(block, **_LAYOUTS[block])
+        LM = L
+        if block in _COLUMN_LAYOUTS:
+            LM, LC, *shape = _linear_layouts(block, **_COLUMN_LAYOUTS[block])
+            assert shape == [tile_m, tile_n, num_warps], (block, shape)
+        _LAYOUT_CACHE[block] = (L, LM, LC, tile_m, tile_n, num_warps)
+    return _LAYOUT_CACHE[block]
 
 
 @gluon.jit
@@ -173,14 +199,14 @@ def _quantize_tile(
     COLWISE: gl.constexpr,
     EVEN: gl.constexpr,
     L: gl.constexpr,
+    LM: gl.constexpr,
     LC: gl.constexpr,
 ):
     A: gl.constexpr = TILE_M // BLOCK
     C: gl.constexpr = TILE_N // BLOCK
     xf = x.to(gl.float32)
-    ax = gl.abs(xf)
     if ROWWISE:
-        scale, inv = _block_scales(ax, 3, EMAX, FP8_MAX, MX)  # (A, BLOCK, C)
+        scale, inv = _block_scales(gl.abs(xf), 3, EMAX, FP8_MAX, MX)  # (A, BLOCK, C)
         q = (xf * gl.expand_dims(inv, 3)).to(OUT)
         m = pid_m * TILE_M + _index(A, 0, 4, L) * BLOCK + _index(BLOCK, 1, 4, L)
         n = pid_n * TILE_N + _index(C, 2, 4, L) * BLOCK + _index(BLOCK, 3, 4, L)
@@ -194,11 +220,12 @@ def _quantize_tile(
             gl.store(row_ptr + m * N + n, q, mask=(m < M) & (n < N))
             gl.store(row_scale_ptr + skb * M + sm, scale, mask=(sm < M) & (skb < N // BLOCK))
     if COLWISE:
-        scale, inv = _block_scales(ax, 1, EMAX, FP8_MAX, MX)  # (A, C, BLOCK)
-        q = gl.convert_layout((xf * gl.expand_dims(inv, 1)).to(OUT), LC)  # a register permutation
+        xm = gl.convert_layout(xf, LM)  # 1x32: LM is L, nothing moves; 1x128: via shared memory
+        scale, inv = _block_scales(gl.abs(xm), 1, EMAX, FP8_MAX, MX)  # (A, C, BLOCK)
+        q = gl.convert_layout((xm * gl.expand_dims(inv, 1)).to(OUT), LC)  # a register permutation
         m = pid_m * TILE_M + _index(A, 0, 4, LC) * BLOCK + _index(BLOCK, 1, 4, LC)
         n = pid_n * TILE_N + _index(C, 2, 4, LC) * BLOCK + _index(BLOCK, 3, 4, LC)
-        SC: gl.constexpr = gl.SliceLayout(1, L)
+        SC: gl.constexpr = gl.SliceLayout(1, LM)
         skb = pid_m * A + _index(A, 0, 3, SC)
         sn = pid_n * TILE_N + _index(C, 1, 3, SC) * BLOCK + _index(BLOCK, 2, 3, SC)
         if EVEN:
@@ -250,6 +277,7 @@ def _quantize_kernel(
     EVEN: gl.constexpr,
     PERSISTENT: gl.constexpr,
     L: gl.constexpr,
+    LM: gl.constexpr,
     LC: gl.constexpr,
 ):
     num_n = gl.cdiv(N, TILE_N)
@@ -285,6 +313,7 @@ def _quantize_kernel(
                 COLWISE,
                 EVEN,
                 L,
+                LM,
                 LC,
             )
             x = x_next
@@ -312,6 +341,7 @@ def _quantize_kernel(
             COLWISE,
             EVEN,
             L,
+            LM,
             LC,
         )
 
@@ -330,9 +360,7 @@ def quantize(
     """Fill the preallocated ``row`` / ``col`` operands (either may be None) from ``x`` (M, N);
     the contract of :func:`aligndp.lowp.triton_kernels.quantize_rows_and_columns` (which checks
     shapes and allocates). ``block`` is 32 or 128."""
-    if block not in _LAYOUT_CACHE:
-        _LAYOUT_CACHE[block] = _linear_layouts(block, **_LAYOUTS[block])
-    L, LC, tile_m, tile_n, num_warps = _LAYOUT_CACHE[block]
+    L, LM, LC, tile_m, tile_n, num_warps = _layouts(block)
     M, N = x.shape
     dummy = x.new_empty(0)
     tiles = triton.cdiv(M, tile_m) * triton.cdiv(N, tile_n)
@@ -361,6 +389,7 @@ def quantize(
         EVEN=M % tile_m == 0 and N % tile_n == 0,
         PERSISTENT=bool(persistent),
         L=L,
+        LM=LM,
         LC=LC,
         num_warps=num_warps,
     )

@@ -186,9 +186,10 @@ def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block_shape)
 
 
-# Configs measured on H200 at 8192^3 (benchmarks/results/mx_kernels_2026-11-30.md)
+# Configs measured on H200 at 8192^3 (benchmarks/results/mx_kernels_2026-11-30.md; the bf16
+# tile's 5 stages: quantise_1x128_2026-11-30.md)
 _FP8_TILE = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, STAGES=3, num_warps=4)
-_BF16_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=4)
+_BF16_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=5, num_warps=4)
 
 
 def scaled_gemm(
