@@ -132,7 +132,13 @@ def run(args: argparse.Namespace) -> None:
         ),
         (
             lambda: zero1_section(ctx),
-            ["zero1.vs_torch", "zero1.vs_aligndp_ddp", "ddp_adamw.vs_torch"],
+            [
+                "zero1.vs_torch",
+                "zero1.vs_aligndp_ddp",
+                "zero1_bf16.vs_torch",
+                "zero1_bf16.vs_aligndp_ddp",
+                "ddp_adamw.vs_torch",
+            ],
         ),
         (lambda: muon_section(ctx), ["muon.step"]),
     ]

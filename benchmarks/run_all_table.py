@@ -17,6 +17,10 @@ ROWS: dict[str, str] = {
     "nccl.all_gather@": "NCCL all-gather bus bandwidth (nccl-tests busbw)",
     "zero1.vs_torch": "ZeRO-1 full step / (torch DDP + fused AdamW)",
     "zero1.vs_aligndp_ddp": "ZeRO-1 full step / aligndp DDP + fused AdamW",
+    "zero1_bf16.vs_torch": "ZeRO-1, master_weights=False (torch's bf16 numerics), full step / "
+    "(torch DDP + fused AdamW)",
+    "zero1_bf16.vs_aligndp_ddp": "ZeRO-1, master_weights=False, full step / aligndp DDP + "
+    "fused AdamW (same numerics)",
     "ddp_adamw.vs_torch": "aligndp DDP + fused AdamW step / (torch DDP + fused AdamW)",
     "muon.step": "layer-wise Muon step + all-gather / one-GPU torch.optim.Muon",
     "mx.fp8_step": "--wgrad fp8 training step / bf16 step, one GPU",

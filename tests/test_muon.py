@@ -327,6 +327,49 @@ def case_bf16_params_fp32_masters(rank, ws):
         assert muon.state_of(muon.names[i])["momentum_buffer"].dtype == torch.float32
 
 
+@case(2)
+def case_bf16_without_masters_bitwise_equal_to_replicated(rank, ws):
+    """``master_weights=False``: the layer-wise Muon part and the ZeRO-1 AdamW part step bf16
+    params in bf16 (no fp32 copies, state in bf16), so at dp 2 (a reduce-scatter adds the same
+    two numbers as an all-reduce) they give exactly what every rank stepping torch's Muon and
+    AdamW on the bf16 model gives (``sharding="none"``). The default's fp32 masters do not,
+    which shows the comparison can fail."""
+    runs = {}
+    for sharding, master_weights in (("none", None), ("zero1", False), ("zero1", None)):
+        model, opt = aligndp.parallelize(
+            make_net(HUGE).to(torch.bfloat16),
+            optimizer="muon",
+            sharding=sharding,
+            lr=MUON_LR,
+            adamw_lr=ADAMW_LR,
+            bucket_numel=150,
+            master_weights=master_weights,
+        )
+        for step in range(STEPS):
+            backward(model, step, rank, ws, 1)
+            opt.step()
+            opt.zero_grad()
+        opt.gather.wait_all()
+        assert_replicas_identical(model)
+        runs[sharding, master_weights] = [p.detach().clone() for p in model.module.parameters()]
+        if sharding == "none":
+            continue
+        kept = master_weights is None
+        state_dtype = torch.float32 if kept else torch.bfloat16
+        muon, adamw = opt.parts
+        for i in muon.owned:
+            assert (muon.targets[i] is not muon.params[i]) == kept, muon.names[i]
+            assert muon.state_of(muon.names[i])["momentum_buffer"].dtype == state_dtype
+        assert all(p.cast_back == kept for p in adamw.pieces)
+        assert all(s["exp_avg"].dtype == state_dtype for s in adamw.inner[0].state.values())
+    names = list(dict(make_net(HUGE).named_parameters()))
+    for n, a, b in zip(names, runs["none", None], runs["zero1", False]):
+        assert torch.equal(a, b), f"{n}: layer-wise without masters differs from replicated"
+    assert any(not torch.equal(a, b) for a, b in zip(runs["none", None], runs["zero1", None])), (
+        "fp32 masters round differently from a bf16 step; this comparison must see it"
+    )
+
+
 # (optimizer, sharding, param dtype, grad dtype, wgrad, start_alignment asked, bytes expected)
 ALIGNMENT_RUNS = [
     ("muon", "zero1", torch.float32, None, "mxfp8", 1, 256),  # layerwise + sharded

@@ -29,7 +29,7 @@ from aligndp.plan.spec import (
     numel_cost,
 )
 from aligndp.runtime.ddp import DataParallel, DDPConfig
-from aligndp.user_input import check_parallelize_inputs
+from aligndp.user_input import check_master_weights, check_parallelize_inputs
 
 __all__ = ["parallelize", "plan_request", "SHARDINGS"]
 
@@ -115,6 +115,7 @@ def parallelize(
     overlap_param_gather: bool = False,
     param_groups: ParamGroupsArg = None,
     collectives: str = "torch",
+    master_weights: bool | None = None,
     **optimizer_kwargs,
 ) -> tuple[DataParallel, DataParallelOptimizer]:
     """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
@@ -151,6 +152,13 @@ def parallelize(
         overlap_param_gather: zero1: all-gather updated params during the next forward
             (each module waits for its own buckets) instead of at the end of ``step()``.
         collectives: the registered collectives backend (:class:`DDPConfig`'s ``collectives``).
+        master_weights: how 16-bit (bf16/fp16) params are stepped ([Note: master weights] in
+            aligndp/optim/sharded.py). None (default): ``sharding="zero1"`` keeps an fp32 master
+            of each owned 16-bit param (state in fp32, cast back after every step) and
+            ``"none"`` steps params in their dtype. False: every param is stepped in its own
+            dtype in every mode, as torch DDP + the same torch optimizer does (bit for bit at
+            dp 2 on gloo). True: fp32 masters; only ``sharding="zero1"`` keeps them
+            (ValueError with ``"none"``).
         optimizer_kwargs: passed to the torch optimizer (torch's defaults otherwise; on CUDA
             AdamW/Adam/SGD get ``fused=True`` unless ``fused`` or ``foreach`` is given).
 
@@ -158,6 +166,7 @@ def parallelize(
     ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module.
     """
     check_parallelize_inputs(model, optimizer)
+    check_master_weights(master_weights, sharding)
     check_max_grad_norm(max_grad_norm)
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
@@ -197,8 +206,11 @@ def parallelize(
     groups = resolve_param_groups(model, param_groups)
     ddp = DataParallel(model, process_group=process_group, config=config, plan=request)
     gather = {"max_grad_norm": max_grad_norm, "overlap_param_gather": overlap_param_gather}
+    masters = master_weights is not False  # None: zero1's default, fp32 masters
     if spec is None and sharding == "zero1":
-        return ddp, ShardedOptimizer(ddp, found, groups=groups, **gather, **optimizer_kwargs)
+        return ddp, ShardedOptimizer(
+            ddp, found, groups=groups, master_weights=masters, **gather, **optimizer_kwargs
+        )
     if spec is None:
         named = dict(model.named_parameters())
         inner = found(
@@ -208,7 +220,9 @@ def parallelize(
         parts = [ReplicatedPart(ddp, inner, elementwise_state=True)]
     else:
         zero1 = sharding == "zero1"
-        parts = _whole_matrix_parts(ddp, spec, routing, groups, zero1, whole_kwargs, adamw_kwargs)
+        parts = _whole_matrix_parts(
+            ddp, spec, routing, groups, zero1, whole_kwargs, adamw_kwargs, master_weights=masters
+        )
     return ddp, CompositeOptimizer(ddp, parts, routing=routing, **gather)
 
 
@@ -220,9 +234,12 @@ def _whole_matrix_parts(
     zero1: bool,
     whole_kwargs: dict,
     adamw_kwargs: dict,
+    *,
+    master_weights: bool,
 ) -> list[OptimizerPart]:
     """The whole-matrix part and the AdamW part; each of ``groups`` is cut into its
-    whole-matrix and its AdamW params, with the same options."""
+    whole-matrix and its AdamW params, with the same options. ``master_weights`` goes to the
+    zero1 parts (the replicated ones step params in their dtype)."""
     named = dict(ddp.module.named_parameters())
 
     def cut(names: tuple[str, ...]) -> list[ParamGroup]:
@@ -235,7 +252,14 @@ def _whole_matrix_parts(
     if routing.whole and zero1:
         whole = [(n, named[n]) for n in routing.whole]
         parts.append(
-            WholeMatrixPart(ddp, whole, spec, groups=cut(routing.whole), options=whole_kwargs)
+            WholeMatrixPart(
+                ddp,
+                whole,
+                spec,
+                groups=cut(routing.whole),
+                options=whole_kwargs,
+                master_weights=master_weights,
+            )
         )
     elif routing.whole:
         tensors = {n: named[n] for n in routing.whole}
@@ -244,7 +268,14 @@ def _whole_matrix_parts(
     if routing.adamw and zero1:
         sharded = ddp.buffers_for(Mode.SHARDED)
         parts.append(
-            ShardedPart(ddp, sharded, torch.optim.AdamW, groups=cut(routing.adamw), **adamw_kwargs)
+            ShardedPart(
+                ddp,
+                sharded,
+                torch.optim.AdamW,
+                groups=cut(routing.adamw),
+                master_weights=master_weights,
+                **adamw_kwargs,
+            )
         )
     elif routing.adamw:
         tensors = {n: named[n] for n in routing.adamw}

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from aligndp.optim.registry import known_optimizers
 
-__all__ = ["check_parallelize_inputs"]
+__all__ = ["check_parallelize_inputs", "check_master_weights"]
 
 
 def _describe(value: object) -> str:
@@ -53,4 +53,22 @@ def check_parallelize_inputs(model: object, optimizer: object) -> None:
         raise TypeError(
             f"optimizer= takes a name ({', '.join(known_optimizers())}) or a "
             f"torch.optim.Optimizer class, got {_describe(optimizer)}"
+        )
+
+
+def check_master_weights(master_weights: object, sharding: object) -> None:
+    """Raise unless ``master_weights`` is None or a bool that ``sharding`` can honour: fp32
+    masters are kept only by ``sharding="zero1"`` ([Note: master weights] in
+    aligndp/optim/sharded.py)."""
+    if master_weights is not None and not isinstance(master_weights, bool):
+        raise TypeError(
+            f"master_weights= takes None, True or False, got {_describe(master_weights)} "
+            f"({master_weights!r})"
+        )
+    if master_weights is True and sharding == "none":
+        raise ValueError(
+            "master_weights=True asks for fp32 master copies of 16-bit params, but "
+            "sharding='none' steps every param in its own dtype with the torch optimizer (as "
+            "torch DDP does) and keeps no masters: use sharding='zero1' (which keeps them), "
+            "or fp32 params, or leave master_weights=None"
         )

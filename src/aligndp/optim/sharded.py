@@ -9,10 +9,22 @@ Padding is never stepped — only real elements have segments — so over all ra
 segments partition the real elements of every buffer exactly once, which is also what lets
 a checkpoint write each element once (aligndp/state/checkpoint.py).
 
-Each segment gets an fp32 master tensor the torch optimizer steps: for fp32 params the
-master *is* the ``param_data`` view (no copy); for 16-bit params it is a view of one fp32
-flat tensor per buffer, cast back into ``param_data`` after every step. Gradients are the
-reduce-scattered ``grad_data`` views (cast to fp32 first where the grad buffer is 16-bit).
+Each segment gets a master tensor the torch optimizer steps ([Note: master weights]): for
+fp32 params, and for every param with ``master_weights=False``, the master *is* the
+``param_data`` view (no copy, no cast back); for 16-bit params with ``master_weights=True``
+(the default of ``sharding="zero1"``) it is a view of one fp32 flat tensor per buffer, cast
+back into ``param_data`` after every step. Gradients are the reduce-scattered ``grad_data``
+views, cast to the master's dtype only where the grad buffer's dtype differs.
+
+[Note: master weights]
+``parallelize(master_weights=...)``: True keeps an fp32 master of every 16-bit param on its
+owner (ZeRO-1's classic recipe: the update is computed and accumulated in fp32, at the cost
+of 4 more bytes per element, fp32 optimizer state and two casts per step); False steps every
+param in its own dtype, as ``sharding="none"`` does and as torch DDP + a torch optimizer on a
+bf16 model do (state in the param dtype), so switching sharding keeps the numerics. One
+predicate, :func:`keeps_fp32_master`, decides it for :class:`ShardedPart` and for
+:class:`~aligndp.optim.whole_matrix.WholeMatrixPart` alike. Checkpoints hold fp32 values
+either way ([Note: model-space state]), so a run resumes under the other setting.
 """
 
 from __future__ import annotations
@@ -36,7 +48,14 @@ from aligndp.state.model_space import (
     torch_state_to_model_space,
 )
 
-__all__ = ["OwnedSegment", "owned_segments", "check_elementwise", "ShardedPart", "ShardedOptimizer"]
+__all__ = [
+    "OwnedSegment",
+    "owned_segments",
+    "check_elementwise",
+    "keeps_fp32_master",
+    "ShardedPart",
+    "ShardedOptimizer",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,17 +115,23 @@ def check_elementwise(opt_class: type[torch.optim.Optimizer], options: dict | No
         )
 
 
+def keeps_fp32_master(param_dtype: torch.dtype, *, master_weights: bool) -> bool:
+    """True when a param of ``param_dtype`` is stepped through a separate fp32 master copy
+    ([Note: master weights]); False: the optimizer steps the param's own storage."""
+    return master_weights and param_dtype != torch.float32
+
+
 @dataclasses.dataclass
 class _Piece:
-    """A segment bound to tensors: the param it belongs to, its buffer, its fp32 master."""
+    """A segment bound to tensors: the param it belongs to, its buffer, its master."""
 
     segment: OwnedSegment
     param: torch.nn.Parameter
     buffer: FlatBuffer
     master: torch.Tensor
     cast_back: bool
-    """True when the master is a separate fp32 copy (16-bit params), False when it is the
-    param_data view."""
+    """True when the master is a separate fp32 copy (16-bit params with master_weights), False
+    when it is the param_data view."""
     group: int
     sharded_grad: ShardedGrad = dataclasses.field(init=False)
     """The master's ``.grad`` between a reduction and the step (made once: it is immutable)."""
@@ -124,9 +149,11 @@ class ShardedPart(OptimizerPart):
     """ZeRO-1 over ``buffers`` (sharded :class:`FlatBuffer` s of ``model``): a part of a
     :class:`~aligndp.optim.composite.CompositeOptimizer`.
 
-    The inner torch optimizer steps this rank's fp32 masters, one torch param group per
+    The inner torch optimizer steps this rank's masters, one torch param group per
     :class:`~aligndp.optim.groups.ParamGroup` (a group this rank owns nothing of gets a
     grad-less zero-size placeholder, so ``param_groups`` match on every rank).
+    ``master_weights``: fp32 masters for 16-bit params (True) or each param stepped in its own
+    dtype (False) ([Note: master weights]).
     """
 
     elementwise_state = True  # [Note: model-space state]: state shaped like a piece is per-element
@@ -138,6 +165,7 @@ class ShardedPart(OptimizerPart):
         opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
         groups: Sequence[ParamGroup] | None = None,
+        master_weights: bool = True,
         **optimizer_kwargs,
     ) -> None:
         for buf in buffers:
@@ -147,6 +175,7 @@ class ShardedPart(OptimizerPart):
                 )
         self.model = model
         self.rank, self.dp_size = model.rank, model.dp_size
+        self.master_weights = master_weights
         self.buffers = list(buffers)
         self.names = [s.name for b in self.buffers for s in sorted(b.slots, key=lambda s: s.index)]
         if groups is None:
@@ -178,7 +207,7 @@ class ShardedPart(OptimizerPart):
     def _bind(self, buf: FlatBuffer, group_of: dict[str, int]) -> list[_Piece]:
         segments = owned_segments(buf.layout, rank=self.rank)
         params = {s.index: p for p, s in zip(buf.params, buf.slots)}
-        if buf.layout.param_dtype == torch.float32:
+        if not keeps_fp32_master(buf.layout.param_dtype, master_weights=self.master_weights):
             flat, cursor = None, None  # masters are the param_data views themselves
         else:
             flat = torch.empty(
@@ -227,15 +256,15 @@ class ShardedPart(OptimizerPart):
 
     @torch.no_grad()
     def prepare_grads(self) -> None:
-        """Bind each master's ``.grad`` to its reduced gradient (fp32); none where no rank had
-        one."""
+        """Bind each master's ``.grad`` to its reduced gradient (the ``grad_data`` view, cast to
+        the master's dtype where the grad buffer's differs); none where no rank had one."""
         if self._prepared_at == self.model.reductions:
             return
         self._refresh_masters()
         for p in self.pieces:
             if self.model.has_grad(p.param):
                 g = p.buffer.grad_data[p.segment.start : p.segment.end]
-                p.master.grad = g if g.dtype == torch.float32 else g.float()
+                p.master.grad = g if g.dtype == p.master.dtype else g.to(p.master.dtype)
             else:
                 p.master.grad = None
         self._prepared_at = self.model.reductions
@@ -245,11 +274,12 @@ class ShardedPart(OptimizerPart):
 
     @torch.no_grad()
     def local_grad_sq_sum(self) -> torch.Tensor:
-        """Sum of squares of this rank's owned gradient elements (after :meth:`prepare_grads`)."""
+        """Sum of squares of this rank's owned gradient elements (after :meth:`prepare_grads`),
+        in fp32 whatever the gradients' dtype."""
         grads = self._grads()
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self._device)
-        return torch.stack(torch._foreach_norm(grads)).square().sum()
+        return torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
 
     @torch.no_grad()
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
@@ -280,12 +310,12 @@ class ShardedPart(OptimizerPart):
         return 0, 0
 
     def model_space_state_dict(self) -> dict[str, object]:
-        """Owned fp32 params and optimizer state keyed by param name; see
-        aligndp/state/checkpoint.py."""
+        """Owned params (fp32, whatever the master's dtype) and optimizer state keyed by param
+        name; see aligndp/state/checkpoint.py."""
         extents = {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
         sd: dict[str, object] = {
             f"param.{p.segment.name}": FlatPiece(
-                p.master.detach(), p.segment.offset, p.param.numel()
+                p.master.detach().float(), p.segment.offset, p.param.numel()
             )
             for p in self.pieces
         }
@@ -306,7 +336,7 @@ class ShardedPart(OptimizerPart):
 
 class ShardedOptimizer(CompositeOptimizer):
     """ZeRO-1: a :class:`CompositeOptimizer` of one :class:`ShardedPart` over every sharded
-    buffer."""
+    buffer (``master_weights``: as :class:`ShardedPart`)."""
 
     def __init__(
         self,
@@ -316,10 +346,16 @@ class ShardedOptimizer(CompositeOptimizer):
         groups: Sequence[ParamGroup] | None = None,
         max_grad_norm: float | None = None,
         overlap_param_gather: bool = False,
+        master_weights: bool = True,
         **optimizer_kwargs,
     ) -> None:
         part = ShardedPart(
-            model, model.buffers_for(Mode.SHARDED), opt_class, groups=groups, **optimizer_kwargs
+            model,
+            model.buffers_for(Mode.SHARDED),
+            opt_class,
+            groups=groups,
+            master_weights=master_weights,
+            **optimizer_kwargs,
         )
         super().__init__(
             model, [part], max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather

@@ -11,7 +11,8 @@ request's ``owner_cost``). The DDP wrapper reduce-scatters the gradients, so aft
 ``finish_grad_sync()`` an owner's ``main_grad`` views of its own params hold the mean
 gradient (the other views hold garbage). One step of :class:`WholeMatrixPart` is then:
 
-1. assign: owned params get ``.grad`` = their ``main_grad`` (fp32 masters for 16-bit params);
+1. assign: owned params get ``.grad`` = their ``main_grad`` (fp32 masters for 16-bit params
+   with ``master_weights``, [Note: master weights] in optim/sharded.py);
 2. step owned: the torch optimizer's ``step()`` — torch optimizers skip params whose ``.grad``
    is None, so the inner optimizer holds *every* param (identical ``param_groups`` on every
    rank, also on a rank that owns none) but only touches and keeps state for its own;
@@ -34,7 +35,7 @@ import torch.nn as nn
 
 from aligndp.optim.composite import BucketStepped, OptimizerPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
-from aligndp.optim.sharded import refresh_master
+from aligndp.optim.sharded import keeps_fp32_master, refresh_master
 from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.runtime.ddp import DataParallel
@@ -117,6 +118,8 @@ class WholeMatrixPart(OptimizerPart):
 
     ``params`` are its params as ``(name, param)`` in registration order; each must sit in a
     layerwise buffer of ``model``. ``options`` go to ``spec.optimizer_class``.
+    ``master_weights``: fp32 masters for 16-bit params (True) or each param stepped in its own
+    dtype (False), as :class:`~aligndp.optim.sharded.ShardedPart` ([Note: master weights]).
     """
 
     elementwise_state = False  # [Note: model-space state]: the owner holds every state whole
@@ -129,6 +132,7 @@ class WholeMatrixPart(OptimizerPart):
         *,
         groups: Sequence[ParamGroup] | None = None,
         options: dict | None = None,
+        master_weights: bool = True,
     ) -> None:
         owner = {}
         for buf in model.buffers_for(Mode.LAYERWISE):
@@ -143,9 +147,13 @@ class WholeMatrixPart(OptimizerPart):
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.owners = [owner[id(p)] for p in self.params]
-        # a 16-bit param is stepped through an fp32 master copy, made only where this rank owns it
+        self.master_weights = master_weights
+        # a 16-bit param with master_weights is stepped through an fp32 master copy, made only
+        # where this rank owns it
         self.targets = [
-            p.detach().float().clone() if o == model.rank and p.dtype != torch.float32 else p
+            p.detach().float().clone()
+            if o == model.rank and keeps_fp32_master(p.dtype, master_weights=master_weights)
+            else p
             for p, o in zip(self.params, self.owners)
         ]
         groups = groups or [ParamGroup(tuple(self.names), {})]
