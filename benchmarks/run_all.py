@@ -84,6 +84,8 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict:
         except ImportError:
             pass
     env["git"] = shell("git rev-parse --short HEAD") or None
+    if env["git"] and shell("git status --porcelain --untracked-files=no"):
+        env["git"] += " + uncommitted changes"  # the figures are not that commit's alone
     return env
 
 
