@@ -223,6 +223,41 @@ def case_model_zero_grad_is_opt_zero_grad(rank, ws):
                     assert_params_match(model.module, ref.module, f"{mode} {how} step {step}")
 
 
+@case(2)
+def case_torch_compile_after_parallelize_matches_torch_ddp(rank, ws):
+    """Row: ``torch.compile(model)`` after ``parallelize`` (the whole model), or of each layer
+    (torchtitan's per-block compile), in every mode: the same params as eager torch DDP at the
+    eager bar, and no graph break — also under bf16 autocast ([Note: compiled forward])."""
+    from torch._dynamo.utils import counters
+
+    for mode in ("none", "zero1", "muon zero1", "muon none"):
+        for how in ("whole", "per layer") if mode in ("none", "zero1") else ("whole",):
+            torch._dynamo.reset()
+            counters.clear()
+            with newton_schulz_fp32(mode):
+                model, opt = wrap(make_net(), mode)
+                ref = TorchDDP(make_net(), mode)
+                if how == "whole":
+                    run = torch.compile(model, backend="aot_eager")
+                else:
+                    for name in ("fc1", "fc2", "mix"):
+                        layer = getattr(model.module, name)
+                        model.module.register_module(
+                            name, torch.compile(layer, backend="aot_eager")
+                        )
+                    run = model
+                for step in range(3):
+                    backward_on(run, step, rank, ws)
+                    backward_on(ref.model, step, rank, ws)
+                    step_both(model, opt, ref, f"compiled {how} {mode} step {step}")
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    backward_on(run, 3, rank, ws)
+                opt.zero_grad()
+                assert counters["stats"]["unique_graphs"] >= 1, f"{mode} {how}: nothing compiled"
+                assert not counters["graph_break"], f"{mode} {how}: {dict(counters['graph_break'])}"
+    torch._dynamo.reset()
+
+
 @case(2, 3)
 def case_two_synced_backwards_without_zero_grad_accumulate_like_torch(rank, ws):
     """Row: skipping ``zero_grad()`` to accumulate over two synced backwards (no ``no_sync``):

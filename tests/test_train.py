@@ -167,6 +167,14 @@ def test_cuda_without_a_gpu(tmp_path, capsys):
     assert "--device cuda but torch sees no CUDA device; use --device cpu" in _error_line(capsys)
 
 
+def test_compile_without_a_compiler_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
+    assert _train(["--compile", "--device", "cpu"], tmp_path) == 2
+    line = _error_line(capsys)
+    assert line.startswith("aligndp train: error: --compile: "), line
+    assert "needs a C++ compiler (c++, g++ or clang++) on PATH" in line, line
+
+
 def test_data_file_too_small_for_one_batch(tmp_path, capsys):
     path = tmp_path / "tiny.txt"
     path.write_text("hello world\n" * 10)
@@ -260,6 +268,7 @@ def test_flags_are_pinned():
         "--nproc",
         "--device",
         "--dtype",
+        "--compile",
         "--eval-every",
         "--checkpoint-dir",
         "--checkpoint-every",

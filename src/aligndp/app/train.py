@@ -31,6 +31,26 @@ def _inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def check_can_compile(device: str) -> None:
+    """Raise a one-line ``ValueError`` where ``torch.compile``'s default backend cannot run."""
+    import shutil
+
+    import torch
+
+    why = None
+    if not torch._dynamo.is_dynamo_supported():
+        why = "torch.compile does not support this Python/platform"
+    elif device == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            why = "torch.compile on CUDA needs Triton, which is not installed"
+    elif not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+        why = "torch.compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH"
+    if why:
+        raise ValueError(f"--compile: {why}; install it or drop --compile")
+
+
 def preflight(config: TrainConfig) -> None:
     """Checks that need the machine or files, run once before any rank starts (so that a bad
     input is one clear error, not one per rank)."""
@@ -43,6 +63,8 @@ def preflight(config: TrainConfig) -> None:
     BatchSpec(config.batch_size, cfg.seq_len, config.nproc, config.micro_batches)
     load_data(config).check(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     wgrad_backend(config)  # raises for a recipe with no backend on --device
+    if config.compile:
+        check_can_compile(config.device)
     if config.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu")

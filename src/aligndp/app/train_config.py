@@ -56,6 +56,11 @@ class TrainConfig:
     dtype: Dtype = "fp32"
     """fp32, or bf16 autocast for the forward and backward (params, grads and optimizer state
     stay fp32)."""
+    compile: bool = False
+    """torch.compile each transformer block (per-block, as torchtitan: bucket reductions still
+    overlap the backward). Off by default: on one H200 it removes most GPU time of small
+    models but costs a first-step compile of tens of seconds, and it is not yet measured
+    faster end to end here (benchmarks/compile_step.py)."""
     eval_every: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
     checkpoint_dir: str | None = None

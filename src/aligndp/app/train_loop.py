@@ -202,8 +202,17 @@ def _setup(config: TrainConfig) -> _Job:
         lr=config.lr,
         wgrad=config.wgrad,
     )
+    if config.compile:
+        compile_blocks(module)
     peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
     return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
+
+
+def compile_blocks(module: GPT, backend: str = "inductor") -> None:
+    """``torch.compile`` each block in place (after parallelize: the params stay the wrapper's),
+    so every block's backward is its own node and its params' hooks fire as it ends."""
+    for name, block in list(module.blocks.named_children()):
+        module.blocks.register_module(name, torch.compile(block, backend=backend))
 
 
 def _train_step(job: _Job, step: int) -> float:
