@@ -81,13 +81,16 @@ def case_torch_ddp_constructor_keywords_mean_what_they_mean_in_torch(rank, ws):
     for grad_dtype, numel in ((None, 262), (torch.bfloat16, 524)):
         model, _ = aligndp.parallelize(make_net(), bucket_cap_mb=0.001, grad_dtype=grad_dtype)
         request, _ = plan_request(make_net(), dp_size=ws, bucket_numel=numel, grad_dtype=grad_dtype)
+        assert model.config.bucket_numel == numel, (grad_dtype, model.config.bucket_numel)
         assert model.layouts == plan_buffers(request) and len(model.layouts[0].buckets) > 1
     # init_sync=False: each rank keeps its own params, as torch DDP does
     torch.manual_seed(rank)
     mine = nn.Linear(3, 2)
     own = [p.detach().clone() for p in mine.parameters()]
     model, _ = aligndp.parallelize(mine, init_sync=False)
-    assert all(torch.equal(p, q) for p, q in zip(model.module.parameters(), own))
+    kept = torch.tensor([int(all(map(torch.equal, model.module.parameters(), own)))])
+    dist.all_reduce(kept, op=dist.ReduceOp.MIN)  # every rank fails alike (no rank runs ahead)
+    assert kept.item() == 1, "init_sync=False: a rank's params were replaced by rank 0's"
     # a 1-D device mesh is its process group
     mesh = dist.device_mesh.init_device_mesh("cpu", (ws,))
     model, _ = aligndp.parallelize(make_net(), device_mesh=mesh)
