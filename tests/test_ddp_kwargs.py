@@ -29,7 +29,7 @@ from aligndp.plan.request import plan_buffers
 from aligndp.runtime.ddp import DataParallel
 from aligndp.user_input import check_device_ids
 from tests._dist import case, make_tests
-from tests.test_ddp import batch, loss_of, make_net
+from tests.models import batch, loss_of, make_net, seeded
 
 STEPS = 3
 
@@ -222,8 +222,7 @@ def demo_batch(step: int, rank: int, ws: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def demo_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(DEMO)
+    return seeded(GPT, DEMO)
 
 
 @case(2)
