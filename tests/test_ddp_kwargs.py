@@ -39,15 +39,15 @@ def assert_unwrapped(net: nn.Module) -> None:
     assert all(type(p) is nn.Parameter for p in net.parameters()), "params were claimed"
 
 
-def train_both(model, opt, ref, ref_opt, rank, ws, *, what: str, check_grads: bool = True):
+def train_both(model, opt, ref, ref_opt, rank, ws, *, what: str):
     """STEPS steps of aligndp and of torch DDP on the same batches; grads and params equal."""
+    device = next(model.module.parameters()).device
     for step in range(STEPS):
-        idx, tgt = batch(step, rank, ws)
+        idx, tgt = (t.to(device) for t in batch(step, rank, ws))
         loss_of(model, idx, tgt).backward()
         loss_of(ref, idx, tgt).backward()
         for (n, p), q in zip(model.module.named_parameters(), ref.module.parameters()):
-            if check_grads:
-                assert torch.equal(p.grad, q.grad), f"{what} step {step}: grad of {n} differs"
+            assert torch.equal(p.grad, q.grad), f"{what} step {step}: grad of {n} differs"
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -143,6 +143,26 @@ def test_device_ids_name_the_module_device():
         check_device_ids([1], 0, cuda1)
     with pytest.raises(TypeError, match="a device is an int"):
         check_device_ids([1.0], None, cuda1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_ids_on_a_gpu_match_torch_ddp(tmp_path):
+    """One rank on NCCL: device_ids/output_device naming the module's GPU are taken, and train
+    as torch DDP with the same keywords does; another GPU is refused, nothing wrapped."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        gpu = torch.cuda.current_device()
+        kwargs = {"device_ids": [gpu], "output_device": gpu, "bucket_cap_mb": 25}
+        sgd = {"lr": 0.5, "foreach": True}  # the same kernels on both sides (not fused)
+        model, opt = aligndp.parallelize(make_net().cuda(), optimizer="sgd", **sgd, **kwargs)
+        ref = nn.parallel.DistributedDataParallel(make_net().cuda(), **kwargs)
+        train_both(model, opt, ref, torch.optim.SGD(ref.parameters(), **sgd), 0, 1, what="gpu")
+        net = make_net().cuda()
+        with pytest.raises(ValueError, match=rf"device_ids=\[{gpu + 1}\] names cuda:{gpu + 1}"):
+            aligndp.parallelize(net, device_ids=[gpu + 1])
+        assert_unwrapped(net)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- group 5: comm hooks ----
