@@ -13,6 +13,7 @@ the same values, so results are equal bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 
@@ -74,7 +75,10 @@ def case_torch_ddp_constructor_keywords_mean_what_they_mean_in_torch(rank, ws):
         forward_sync_buffers=True,
     )
     model, opt = aligndp.parallelize(make_net(), optimizer="sgd", lr=0.5, **kwargs)
-    ref = nn.parallel.DistributedDataParallel(make_net(), **kwargs)
+    known = inspect.signature(nn.parallel.DistributedDataParallel).parameters  # older torch: fewer
+    ref = nn.parallel.DistributedDataParallel(
+        make_net(), **{k: v for k, v in kwargs.items() if k in known}
+    )
     train_both(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.5), rank, ws, what="kw")
     # bucket_cap_mb is MiB of the gradient dtype: 0.001 MiB = 1048 bytes = 262 fp32 elements,
     # 524 bf16 ones

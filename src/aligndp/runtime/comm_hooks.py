@@ -15,7 +15,8 @@ for — torch's ``buffer.to(dtype).div_(world_size)``, all-reduce, ``copy_`` bac
 copies are kept per bucket (allocated by the backend, so a backend whose collectives need its
 own storage gets it). Only the all-reduce of ``sharding="none"`` is a DDP all-reduce; sharded
 modes reduce-scatter, and other hooks (PowerSGD, a user's function) would run arbitrary code
-against torch's ``GradBucket``: both are refused, naming what to use instead.
+against torch's ``GradBucket``: both are refused, naming what to use instead. At dp 1 no
+bucket is reduced, so nothing is compressed (torch DDP still rounds through the hook).
 """
 
 from __future__ import annotations
