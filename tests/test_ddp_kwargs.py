@@ -104,16 +104,17 @@ def case_torch_ddp_constructor_keywords_mean_what_they_mean_in_torch(rank, ws):
 @case(2)
 def case_torch_ddp_keywords_without_meaning_are_refused_before_wrapping(rank, ws):
     refused = {
-        "mixed_precision": (ValueError, "grad_dtype"),
-        "delay_all_reduce_named_params": (ValueError, "requires_grad_"),
-        "param_to_hook_all_reduce": (ValueError, "overlap=False"),
-        "bucket_cap_mb_list": (ValueError, "bucket_cap_mb="),
+        "mixed_precision": (lambda net: object(), "grad_dtype"),
+        "delay_all_reduce_named_params": (lambda net: [("fc1.weight", net.fc1.weight)], "freeze"),
+        "param_to_hook_all_reduce": (lambda net: net.fc2.weight, "overlap=False"),
+        "bucket_cap_mb_list": (lambda net: [25, 25], "bucket_cap_mb="),
     }
-    for name, (error, fix) in refused.items():
+    for name, (value, fix) in refused.items():
         net = make_net()
-        with pytest.raises(error, match=rf"{name}=.*{fix}"):
-            aligndp.parallelize(net, **{name: [("fc1.weight", net.fc1.weight)]})
+        with pytest.raises(ValueError, match=rf"{name}=.*{fix}"):
+            aligndp.parallelize(net, **{name: value(net)})
         assert_unwrapped(net)
+        aligndp.parallelize(make_net(), **{name: None})  # torch's default: accepted
     for kwargs, error, fix in (
         ({"dim": 1}, ValueError, "leave dim out"),
         ({"static_graph": 1}, TypeError, "True or False"),

@@ -215,7 +215,8 @@ def take_torch_ddp_kwargs(
         if name in taken:
             _check_bool(name, taken[name])
     for name, instead in TORCH_DDP_REFUSED.items():
-        if taken.get(name) not in (None, (), []):
+        value = taken.get(name)
+        if value is not None and not (isinstance(value, (list, tuple)) and not value):
             raise ValueError(f"{name}= of torch DDP has no aligndp equivalent: {instead}")
     if taken.get("dim", 0) != 0:
         raise ValueError(
@@ -243,7 +244,7 @@ def take_torch_ddp_kwargs(
                 f"pass bucket_cap_mb={mb!r} (torch's MiB) or bucket_numel={bucket_numel!r} "
                 "(elements), not both"
             )
-        trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+        trainable = {p.dtype for p in model.parameters() if p.requires_grad} or {torch.float32}
         bucket_numel = _bucket_numel_of_mb(mb, {grad_dtype} if grad_dtype else trainable)
     if "device_ids" in taken or "output_device" in taken:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
