@@ -10,8 +10,10 @@ Timeline with ``overlap=True`` (NCCL runs collectives on its own stream, gloo on
     forward:    pre-hook of module m waits only for the buckets holding m's own params,
                 so the first layers start while later buckets are still in flight.
 
-Anything that reads params outside forward (a checkpoint, an evaluation that bypasses the
-module, the next ``step()``) calls :meth:`ParamGather.wait_all` first.
+While a bucket's gather is in flight its params are *pending* ([Note: reads wait for the
+gather] in wrapped_param.py): any read of one outside its module's forward (an EMA, a weight
+norm, an evaluation through another module) waits for that bucket first. The next ``step()``,
+checkpoints and ``model.wait_for_params()`` call :meth:`ParamGather.wait_all`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn as nn
 
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, TorchCollectives, Work
+from aligndp.runtime.wrapped_param import mark_pending, settle
 
 __all__ = ["ParamGather"]
 
@@ -63,6 +66,12 @@ class ParamGather:
         self.dp_size = self.collectives.dp_size
         self.overlap = overlap
         self._pending: dict[BucketKey, Work] = {}
+        self._key_of = self._bucket_of()
+        self._members: dict[BucketKey, list[nn.Parameter]] = {}
+        """The params of each bucket (pending while its overlapped gather is in flight)."""
+        for i, buf in enumerate(self.buffers):
+            for p, s in zip(buf.params, buf.slots):
+                self._members.setdefault((i, s.bucket), []).append(p)
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
@@ -102,7 +111,7 @@ class ParamGather:
         }
 
     def _install_hooks(self, module: nn.Module) -> None:
-        where = self._bucket_of()
+        where = self._key_of
         for m in module.modules():
             keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
             if keys:
@@ -127,6 +136,8 @@ class ParamGather:
         i, b = key
         if self.dp_size > 1:
             self._pending[key] = self.collectives.all_gather_shards(self.buffers[i].bucket_param(b))
+            if self.overlap:  # any read of its params waits for it ([Note: reads wait ...])
+                mark_pending(self._members.get(key, ()), self)
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""
@@ -134,6 +145,14 @@ class ParamGather:
             work = self._pending.pop(key, None)
             if work is not None:
                 work.wait()
+                if self.overlap:
+                    settle(self._members.get(key, ()))
+
+    def wait_for(self, param: nn.Parameter) -> None:
+        """Wait for the gather of the bucket holding ``param`` (a pending param being read)."""
+        key = self._key_of.get(id(param))  # my params are alive: their ids are theirs
+        if key is not None:
+            self.wait((key,))
 
     def wait_all(self) -> None:
         """Wait for every gather still in flight: call before reading params outside forward."""
@@ -141,13 +160,7 @@ class ParamGather:
 
     def pending_params(self) -> set:
         """The params of every bucket whose gather is still in flight."""
-        pending = set(self._pending)
-        return {
-            p
-            for i, buf in enumerate(self.buffers)
-            for p, s in zip(buf.params, buf.slots)
-            if (i, s.bucket) in pending
-        }
+        return {p for key in self._pending for p in self._members.get(key, ())}
 
     @property
     def in_flight(self) -> int:
