@@ -168,9 +168,19 @@ def case_a_read_waits_only_for_its_own_bucket_and_classes_come_back(rank, ws):
     assert opt.gather.in_flight == buckets, "a metadata read waited for a gather"
     head.sum()
     assert opt.gather.in_flight == buckets - 1, "a read of head.weight waited for other buckets"
+    seen = {}  # the classes each module's forward finds (hooks run in registration order)
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda m, _args: seen.update({p: type(p) for p in m.parameters(recurse=False)})
+        )
+        for m in model.module.modules()
+    ]
     backward_on(model, 1, rank, ws)
+    for h in hooks:
+        h.remove()
     assert opt.gather.in_flight == 0
     for n, p in model.module.named_parameters():
+        assert seen[p] is WrappedParameter, f"{n}'s forward found it {seen[p].__name__}"
         assert type(p) is WrappedParameter, f"{n} is still {type(p).__name__} after forward"
     model.wait_for_params()  # public, and a no-op with nothing in flight
 

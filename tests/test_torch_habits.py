@@ -470,15 +470,34 @@ def case_param_groups_and_lr_schedulers_match_torch_ddp(rank, ws):
 # ---- unused params, changing usage ----
 
 
+class TaggedParameter(nn.Parameter):
+    """A user's ``Parameter`` subclass: aligndp keeps its class and zeroes its gradient view
+    eagerly at ``zero_grad`` (the view is never stale, so usage cannot be read from it)."""
+
+
+def net_with_tagged_mix() -> Net:
+    net = make_net()
+    net.mix.weight = TaggedParameter(net.mix.weight.detach().clone())
+    net.mix.bias = TaggedParameter(net.mix.bias.detach().clone())
+    return net
+
+
 @case(2, 3)
 def case_param_unused_on_every_rank_is_not_stepped(rank, ws):
     """Row: a param that gets no gradient in a step. Was: stepped anyway with a zero
     gradient (AdamW momentum and weight decay kept moving it). As torch DDP with
-    find_unused_parameters=True: p.grad stays None and the param does not move."""
-    for mode in ("none", "zero1", "muon zero1"):
+    find_unused_parameters=True: p.grad stays None and the param does not move. Also for
+    params of a ``Parameter`` subclass (issue 25, group 9), whose views are zeroed eagerly."""
+    for mode, factory in [(m, make_net) for m in ("none", "zero1", "muon zero1")] + [
+        (m, net_with_tagged_mix) for m in ("none", "zero1")
+    ]:
         with newton_schulz_fp32(mode):
-            model, opt = wrap(make_net(), mode)
-            ref = TorchDDP(make_net(), mode, find_unused=True)
+            model, opt = wrap(factory(), mode)
+            assert isinstance(model.module.mix.weight, TaggedParameter) == (
+                factory is net_with_tagged_mix
+            )
+            ref = TorchDDP(factory(), mode, find_unused=True)
+            what = f"{mode} {factory.__name__}"
             for step in range(3):
                 skip = step == 1
                 before = snapshot(model.module)
@@ -487,7 +506,7 @@ def case_param_unused_on_every_rank_is_not_stepped(rank, ws):
                 if skip:
                     for n in ("mix.weight", "mix.bias"):
                         assert dict(model.module.named_parameters())[n].grad is None, (
-                            f"{mode}: {n}.grad is set"
+                            f"{what}: {n}.grad is set"
                         )
                 opt.step()
                 opt.zero_grad()
@@ -496,9 +515,9 @@ def case_param_unused_on_every_rank_is_not_stepped(rank, ws):
                 if skip:
                     for n in ("mix.weight", "mix.bias"):
                         assert torch.equal(dict(model.module.named_parameters())[n], before[n]), (
-                            f"{mode}: {n} moved in a step where no rank used it"
+                            f"{what}: {n} moved in a step where no rank used it"
                         )
-                assert_params_match(model.module, ref.module, f"{mode} step {step}")
+                assert_params_match(model.module, ref.module, f"{what} step {step}")
 
 
 @case(2, 3)
