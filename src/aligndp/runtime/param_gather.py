@@ -10,10 +10,11 @@ Timeline with ``overlap=True`` (NCCL runs collectives on its own stream, gloo on
     forward:    pre-hook of module m waits only for the buckets holding m's own params,
                 so the first layers start while later buckets are still in flight.
 
-While a bucket's gather is in flight its params are *pending* ([Note: reads wait for the
-gather] in wrapped_param.py): any read of one outside its module's forward (an EMA, a weight
-norm, an evaluation through another module) waits for that bucket first. The next ``step()``,
-checkpoints and ``model.wait_for_params()`` call :meth:`ParamGather.wait_all`.
+While a bucket's gather is in flight its params are *pending*
+([Note: reads wait for the gather] in wrapped_param.py): any read of one outside its module's
+forward (an EMA, a weight norm, an evaluation through another module) waits for that bucket
+first. The next ``step()``, checkpoints and ``model.wait_for_params()`` call
+:meth:`ParamGather.wait_all`.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class ParamGather:
         i, b = key
         if self.dp_size > 1:
             self._pending[key] = self.collectives.all_gather_shards(self.buffers[i].bucket_param(b))
-            if self.overlap:  # any read of its params waits for it ([Note: reads wait ...])
+            if self.overlap:  # [Note: reads wait for the gather] in wrapped_param.py
                 mark_pending(self._members.get(key, ()), self)
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
