@@ -67,11 +67,13 @@ class ParamGather:
         self.dp_size = self.collectives.dp_size
         self.overlap = overlap
         self._pending: dict[BucketKey, Work] = {}
-        self._key_of = self._bucket_of()
+        self._key_of: dict[int, BucketKey] = {}
+        """id(param) -> the bucket holding it."""
         self._members: dict[BucketKey, list[nn.Parameter]] = {}
         """The params of each bucket (pending while its overlapped gather is in flight)."""
         for i, buf in enumerate(self.buffers):
             for p, s in zip(buf.params, buf.slots):
+                self._key_of[id(p)] = (i, s.bucket)
                 self._members.setdefault((i, s.bucket), []).append(p)
         self._hooks = []
         self.order = self._forward_order(module)
@@ -102,14 +104,6 @@ class ParamGather:
                     first.get((i, s.bucket), len(position)), position.get(id(p), len(position))
                 )
         return sorted(keys, key=lambda k: (first.get(k, len(position)), keys.index(k)))
-
-    def _bucket_of(self) -> dict[int, BucketKey]:
-        """id(param) -> the bucket holding it."""
-        return {
-            id(p): (i, s.bucket)
-            for i, buf in enumerate(self.buffers)
-            for p, s in zip(buf.params, buf.slots)
-        }
 
     def _install_hooks(self, module: nn.Module) -> None:
         where = self._key_of

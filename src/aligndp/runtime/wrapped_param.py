@@ -17,7 +17,7 @@ that param's gather, which gives every param of its bucket its own class back
 (``p.grad``, ``p.shape``, ``p.requires_grad``, ``p._version``, :data:`_METADATA`) do not wait,
 so ``zero_grad`` keeps the overlap. A module's forward pre-hook settles its own params before
 its forward reads them, and outside the window every class is the normal one, so the step
-pays one class assignment per param and nothing per read. Not covered: an alias taken
+pays two class assignments per param and nothing per read. Not covered: an alias taken
 before the step (a view, ``data_ptr()``); ``model.wait_for_params()`` waits for everything.
 """
 
