@@ -32,7 +32,14 @@ from tests._habits_models import (
     train_step_both,
     wrap,
 )
-from tests.models import HeadReadNet, assert_params_match, batch, make_net, seeded
+from tests.models import (
+    HeadReadNet,
+    assert_params_match,
+    assert_replicas_identical,
+    batch,
+    make_net,
+    seeded,
+)
 
 STEPS = 3
 
@@ -150,8 +157,9 @@ def case_every_read_after_step_waits_for_its_gather(rank, ws):
 @case(2)
 def case_a_read_waits_only_for_its_own_bucket_and_classes_come_back(rank, ws):
     """Reading one weight waits for the one bucket holding it; the other gathers stay in flight
-    until their modules' forward. After a forward every param has its own class again (the
-    step costs nothing per read outside the window), and metadata reads never wait."""
+    until their modules' forward. The wait is local: a read on rank 0 only (logging) leaves the
+    ranks in step. After a forward every param has its own class again (the step costs
+    nothing per read outside the window), and metadata reads never wait."""
     model, opt = wrap(make_net(), "zero1", overlap_param_gather=True, collectives="late-gather")
     backward_on(model, 0, rank, ws)
     opt.step()
@@ -163,8 +171,11 @@ def case_a_read_waits_only_for_its_own_bucket_and_classes_come_back(rank, ws):
     _ = (head.shape, head.dtype, head.device, head.grad, head.requires_grad, head._version)
     _ = (head.size(), head.numel(), head.dim(), head.is_leaf)
     assert opt.gather.in_flight == buckets, "a metadata read waited for a gather"
-    head.sum()
-    assert opt.gather.in_flight == buckets - 1, "a read of head.weight waited for other buckets"
+    if rank == 0:
+        logged = head.norm()
+        assert opt.gather.in_flight == buckets - 1, "reading head.weight waited for other buckets"
+    else:
+        assert opt.gather.in_flight == buckets
     seen = {}  # the classes each module's forward finds (hooks run in registration order)
     hooks = [
         m.register_forward_pre_hook(
@@ -180,6 +191,12 @@ def case_a_read_waits_only_for_its_own_bucket_and_classes_come_back(rank, ws):
         assert seen[p] is WrappedParameter, f"{n}'s forward found it {seen[p].__name__}"
         assert type(p) is WrappedParameter, f"{n} is still {type(p).__name__} after forward"
     model.wait_for_params()  # public, and a no-op with nothing in flight
+    assert_replicas_identical(model.module, "after a read on rank 0 only")
+    plain, plain_opt = wrap(make_net(), "zero1", collectives="late-gather")
+    backward_on(plain, 0, rank, ws)
+    plain_opt.step()
+    if rank == 0:
+        assert torch.equal(logged, plain.module.head.weight.norm()), "rank 0 logged a stale norm"
 
 
 @case(2)
