@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 from _bench import Timing, init
 from run_all_sections import (
+    COMPILE_KEYS,
     Context,
+    compile_section,
     ddp_section,
     guarded,
     muon_section,
@@ -143,9 +145,10 @@ def run(args: argparse.Namespace) -> None:
             ],
         ),
         (lambda: muon_section(ctx), ["muon.step"]),
+        (lambda: compile_section(ctx), list(COMPILE_KEYS)),
     ]
     if args.skip_muon:
-        sections[-1] = (lambda: [Row("muon.step", skipped="--skip-muon")], ["muon.step"])
+        sections[-2] = (lambda: [Row("muon.step", skipped="--skip-muon")], ["muon.step"])
     sections.append((lambda: one_gpu_sections(ctx, solo), [k for k in ROWS if k.startswith("mx.")]))
     for fn, keys in sections:
         t0 = time.perf_counter()

@@ -29,6 +29,9 @@ EXPECTED = [
     "zero1.vs_aligndp_ddp",
     "ddp_adamw.vs_torch",
     "muon.step",
+    "compile.vs_torch_ddp",
+    "compile.blocks_vs_torch_ddp",
+    "compile.hooks_ms",
     "mx.fp8_step",
     "mx.mxfp8_step",
     "mx.wgrad_mxfp8",
@@ -36,7 +39,16 @@ EXPECTED = [
     "mx.quantise_fp8",
     "mx.quantise_mxfp8",
 ]
-GPU_ONLY = ["mx.fp8_step", "mx.wgrad_mxfp8", "mx.wgrad_fp8", "mx.quantise_fp8", "mx.quantise_mxfp8"]
+GPU_ONLY = [
+    "compile.vs_torch_ddp",
+    "compile.blocks_vs_torch_ddp",
+    "compile.hooks_ms",
+    "mx.fp8_step",
+    "mx.wgrad_mxfp8",
+    "mx.wgrad_fp8",
+    "mx.quantise_fp8",
+    "mx.quantise_mxfp8",
+]
 
 
 def _matching(rows: list[dict], key: str) -> list[dict]:

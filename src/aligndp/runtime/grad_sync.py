@@ -32,6 +32,8 @@ from aligndp.runtime.step_state import BucketRef, RoundReport, StepState
 
 __all__ = ["GradSync"]
 
+_ACCUMULATING = StepState.ACCUMULATING  # read per gradient: a global, not an enum lookup
+
 
 class GradSync(Reduction):
     """Gradient hooks and the step states; the reduction is :class:`Reduction`'s."""
@@ -131,7 +133,7 @@ class GradSync(Reduction):
         view = self._slot[param].view
         if grad is view and param not in self._published:  # accumulated in place: nothing to do
             self._stale.discard(param)
-            if self.state is not StepState.ACCUMULATING:
+            if self.state is not _ACCUMULATING:
                 self._reopen()
                 self._begin_accumulating()
             self._arrived(param)
@@ -157,9 +159,9 @@ class GradSync(Reduction):
         self._arrived(param)
 
     def _arrived(self, param: nn.Parameter) -> None:
-        assert self.state is StepState.ACCUMULATING, "a gradient arrives in ACCUMULATING only"
+        assert self.state is _ACCUMULATING, "a gradient arrives in ACCUMULATING only"
         self._used.add(param)
-        if param in self._unwaited:
+        if self._unwaited and param in self._unwaited:
             self._problems["stale_read"].add(param)
         if not self._sync_enabled:
             return
