@@ -27,6 +27,7 @@ torch and torch DDP of the same run and mode.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from hook_cost import hook_host_ms
+from run_all_table import Goal, Row
 from torch.profiler import ProfilerActivity, profile
 
 import aligndp
@@ -211,6 +213,58 @@ def print_table(args: argparse.Namespace, result: dict[str, dict], world: int) -
             f"{row['hook_host_ms_per_step']:.2f} |",
             flush=True,
         )
+
+
+# ---- benchmarks/run_all.py's rows ----
+
+COMPILE_KEYS = ("compile.vs_torch_ddp", "compile.blocks_vs_torch_ddp", "compile.hooks_ms")
+
+
+def compile_section(ctx) -> list[Row]:
+    """compile_step.py at gpt2-small on every rank (inductor; its CPU check is
+    ``compile_step.py --smoke``, run by tests/test_compile_step_smoke.py)."""
+    if ctx.device.type != "cuda":
+        why = "needs CUDA (inductor); the CPU check is compile_step.py --smoke"
+        return [Row(k, skipped=why) for k in COMPILE_KEYS]
+    args = parse_args(
+        ["--preset", "gpt2-small", "--variants", "torch,torch_ddp,aligndp_none,aligndp_none_blocks"]
+    )
+    result = measure(args, ctx.device)
+    gc.collect()
+    torch.cuda.empty_cache()  # the variants' models and optimizers are gone
+    peer = result["torch_ddp.compiled"]
+    note = (
+        f"dp {dist.get_world_size()}, plain torch compiled "
+        f"{result['torch.compiled']['ms_per_step']:.2f} ms"
+    )
+    return [
+        Row(
+            "compile.vs_torch_ddp",
+            result["aligndp_none.compiled"]["ms_per_step"],
+            "ms",
+            peer["ms_per_step"],
+            "torch DDP + compile, ms",
+            Goal("<=", 1.0, "ratio"),
+            note=note,
+        ),
+        Row(
+            "compile.blocks_vs_torch_ddp",
+            result["aligndp_none_blocks.compiled"]["ms_per_step"],
+            "ms",
+            peer["ms_per_step"],
+            "torch DDP + compile, ms",
+            Goal("<=", 1.0, "ratio"),
+            note=note,
+        ),
+        Row(
+            "compile.hooks_ms",
+            result["aligndp_none.compiled"]["hook_host_ms_per_step"],
+            "ms",
+            peer["hook_host_ms_per_step"],
+            "torch DDP's reducer, ms",
+            Goal("<=", 1.0, "ratio"),
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:

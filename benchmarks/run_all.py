@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _bench import Timing, init
+from compile_step import COMPILE_KEYS, compile_section
 from run_all_sections import (
-    COMPILE_KEYS,
     Context,
-    compile_section,
     ddp_section,
     guarded,
     muon_section,

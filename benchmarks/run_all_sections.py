@@ -218,57 +218,6 @@ def muon_section(ctx: Context) -> list[Row]:
     ]
 
 
-COMPILE_KEYS = ("compile.vs_torch_ddp", "compile.blocks_vs_torch_ddp", "compile.hooks_ms")
-
-
-def compile_section(ctx: Context) -> list[Row]:
-    """compile_step.py at gpt2-small on every rank (inductor; its CPU check is
-    ``compile_step.py --smoke``, run by tests/test_compile_step_smoke.py)."""
-    if ctx.device.type != "cuda":
-        why = "needs CUDA (inductor); the CPU check is compile_step.py --smoke"
-        return [Row(k, skipped=why) for k in COMPILE_KEYS]
-    from compile_step import measure, parse_args
-
-    args = parse_args(
-        ["--preset", "gpt2-small", "--variants", "torch,torch_ddp,aligndp_none,aligndp_none_blocks"]
-    )
-    result = measure(args, ctx.device)
-    free_memory(ctx.device)
-    peer = result["torch_ddp.compiled"]
-    note = (
-        f"dp {dist.get_world_size()}, plain torch compiled "
-        f"{result['torch.compiled']['ms_per_step']:.2f} ms"
-    )
-    return [
-        Row(
-            "compile.vs_torch_ddp",
-            result["aligndp_none.compiled"]["ms_per_step"],
-            "ms",
-            peer["ms_per_step"],
-            "torch DDP + compile, ms",
-            Goal("<=", 1.0, "ratio"),
-            note=note,
-        ),
-        Row(
-            "compile.blocks_vs_torch_ddp",
-            result["aligndp_none_blocks.compiled"]["ms_per_step"],
-            "ms",
-            peer["ms_per_step"],
-            "torch DDP + compile, ms",
-            Goal("<=", 1.0, "ratio"),
-            note=note,
-        ),
-        Row(
-            "compile.hooks_ms",
-            result["aligndp_none.compiled"]["hook_host_ms_per_step"],
-            "ms",
-            peer["hook_host_ms_per_step"],
-            "torch DDP's reducer, ms",
-            Goal("<=", 1.0, "ratio"),
-        ),
-    ]
-
-
 def hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
