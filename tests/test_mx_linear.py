@@ -170,8 +170,8 @@ def test_backend_operands_saved_on_ctx_are_used_once():
             y, x_saved = super().forward_for_backward(x, weight, bias)
             return y, ("operands", x_saved.clone())
 
-        def backward(self, saved, grad_out, weight, **kw):
-            return super().backward(saved[1], grad_out, weight, **kw)
+        def backward_parts(self, saved, grad_out, weight, **kw):
+            return super().backward_parts(saved[1], grad_out, weight, **kw)
 
     lin, mxl = make()
     own = MXLinear.from_linear(copy.deepcopy(lin), backend=OwnOperands())

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from aligndp.lowp.backends import WgradBackend, get_backend
+from aligndp.lowp.ops import fused_wgrad, register_layer
 from aligndp.plan.fused import GradSink
 from aligndp.plan.spec import Requirement
 
@@ -37,6 +38,7 @@ class _MXLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         backend: WgradBackend,
         sink: GradSink | None,
+        layer: int,
     ):
         x2d = x.reshape(-1, x.shape[-1])  # (tokens, in)
         with torch.autocast(x.device.type, enabled=False):  # the backends pick their own precisions
@@ -49,7 +51,7 @@ class _MXLinearFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(weight)
             ctx.saved_operands = saved
-        ctx.backend, ctx.sink = backend, sink
+        ctx.backend, ctx.sink, ctx.layer = backend, sink, layer
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -66,18 +68,21 @@ class _MXLinearFunction(torch.autograd.Function):
         backend, sink = ctx.backend, ctx.sink
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        target = sink.grad_target(weight) if sink is not None and need_wgrad else None
-        grad_x, grad_w = backend.backward(
-            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad, target=target
+        grad_x, parts = backend.backward_parts(
+            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad
         )
         if grad_x is not None:
             grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+        grad_w = None
+        if parts is not None:
+            if sink is not None:  # into main_grad; a wgrad back only if the sink has no view
+                grad_w = fused_wgrad(backend, sink, weight, parts, ctx.layer)
+            else:
+                grad_w = backend.wgrad_from_parts(parts, None, tuple(weight.shape))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        if target is not None:
-            sink.mark_ready(weight)
         grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class MXLinear(nn.Linear):
@@ -111,6 +116,7 @@ class MXLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.backend = backend
         self._grad_sink: GradSink | None = None
+        self._layer_key = -1  # set by bind_grad_sink ([Note: compiled MX layers] in ops.py)
 
     @classmethod
     def from_linear(
@@ -135,13 +141,16 @@ class MXLinear(nn.Linear):
 
     def bind_grad_sink(self, sink: GradSink | None) -> None:
         self._grad_sink = sink
+        self._layer_key = register_layer(self) if sink is not None else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             # as nn.Linear under autocast: input, output and bias add in the autocast dtype
             # (the weight is quantised from its own dtype, so it needs no cast)
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return _MXLinearFunction.apply(x, self.weight, self.bias, self.backend, self._grad_sink)
+        return _MXLinearFunction.apply(
+            x, self.weight, self.bias, self.backend, self._grad_sink, self._layer_key
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend.name}"

@@ -1,0 +1,188 @@
+"""The recipes' kernels and the fused wgrad as torch custom ops, so ``torch.compile`` traces
+:class:`aligndp.lowp.MXLinear` without a graph break.
+
+[Note: compiled MX layers]
+Dynamo traces ``MXLinear``'s autograd.Function, forward and backward, through the backend's
+Python. What it cannot trace is a Triton launch (the Hopper backends' quantise and GEMMs) and
+the grad sink: ``grad_target`` decides at run time whether the view is written or added to
+([Note: write, not accumulate] in aligndp/plan/fused.py), and ``mark_ready`` may launch a
+bucket's collective. So, only while compiling (``torch.compiler.is_compiling()``; eager calls
+the same Python directly, without the ~5 us of a custom op's dispatch):
+
+- ``aligndp::quantize_rc`` and ``aligndp::scaled_mm`` wrap the Triton quantise and GEMM; their
+  fake impls give Inductor shapes and dtypes ([Note: operand layout] in triton_common.py).
+- the ``fp8-tensor`` quantise is plain torch ops (amax, divide, clamp, cast, transpose), which
+  Inductor fuses with the producer of the operand; the GEMM is ``torch._scaled_mm``, an aten op.
+- ``aligndp::fused_wgrad(parts, layer)`` is the whole sink transaction as one opaque op: it
+  finds the layer by the integer key ``bind_grad_sink`` gave it, asks the sink for the target,
+  has the backend write or add the wgrad from ``parts`` (the backward's quantised wgrad
+  operands) into the view, and calls ``mark_ready``. The view is not an argument: which view,
+  and whether it holds anything yet, is the sink's state at run time, not a graph input. The
+  op returns nothing, so it is registered as side-effectful (``has_side_effect``); otherwise
+  dead-code elimination drops it from the compiled backward and the gradient never arrives.
+  The weight's autograd gradient is None, as in eager.
+
+Layers are keyed by a process-wide counter, so a deep copy of a bound layer shares its
+original's key: bind the copy again (``DataParallel`` does at wrap time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch.fx.node import has_side_effect
+
+from aligndp.plan.fused import GradTarget
+
+__all__ = ["compiling", "register_layer", "fused_wgrad", "quantize_rc", "scaled_mm"]
+
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing: the recipes then call their custom ops."""
+    return torch.compiler.is_compiling()
+
+
+def register_layer(layer: object) -> int:
+    """A new key under which :func:`fused_wgrad` finds ``layer`` (held weakly): an object with
+    ``weight``, ``backend`` and ``_grad_sink``."""
+    key = next(_KEYS)
+    _LAYERS[key] = layer
+    return key
+
+
+def write_wgrad(backend, sink, weight: torch.Tensor, parts: Sequence[torch.Tensor]):
+    """The sink transaction of one wgrad: the target, the backend's write or add into it, then
+    ``mark_ready``. Returns the float32 wgrad instead when the sink has no view for ``weight``
+    (plain autograd then takes it)."""
+    target: GradTarget | None = sink.grad_target(weight)
+    if target is None:
+        return backend.wgrad_from_parts(parts, None, tuple(weight.shape))
+    backend.wgrad_from_parts(parts, target, tuple(weight.shape))
+    sink.mark_ready(weight)
+    return None
+
+
+@torch.library.custom_op("aligndp::fused_wgrad", mutates_args=())
+def _fused_wgrad_op(parts: list[torch.Tensor], layer: int) -> None:
+    module = _LAYERS.get(layer)
+    if module is None or module._grad_sink is None:
+        raise RuntimeError(
+            f"internal: MX layer {layer} is gone or has no grad sink, but its compiled backward "
+            "writes into one; recompile after rebinding (torch._dynamo.reset())"
+        )
+    leftover = write_wgrad(module.backend, module._grad_sink, module.weight, parts)
+    if leftover is not None:
+        raise RuntimeError(
+            "a compiled MX layer's weight has no view in its grad sink; its gradient would be "
+            "lost. Freeze the weight before compiling, or wrap the model before torch.compile"
+        )
+
+
+@_fused_wgrad_op.register_fake
+def _(parts, layer):
+    return None
+
+
+has_side_effect(torch.ops.aligndp.fused_wgrad.default)
+
+
+def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor], layer: int):
+    """:func:`write_wgrad`, through the opaque op while compiling (returns None there)."""
+    if compiling():
+        torch.ops.aligndp.fused_wgrad(list(parts), layer)
+        return None
+    return write_wgrad(backend, sink, weight, parts)
+
+
+# ---- the Hopper kernels (Triton imported by the real impls only) ----
+
+
+def _quantize_rc(
+    x: torch.Tensor, block: int, mx: bool, rowwise: bool, colwise: bool
+) -> list[torch.Tensor]:
+    from aligndp.lowp.recipe import ScaleFormat
+    from aligndp.lowp.triton_kernels import quantize_rows_and_columns
+
+    row, col = quantize_rows_and_columns(
+        x,
+        block=block,
+        scale_format=ScaleFormat.E8M0 if mx else ScaleFormat.FP32,
+        rowwise=rowwise,
+        colwise=colwise,
+    )
+    return [t for op in (row, col) if op is not None for t in op]
+
+
+_quantize_rc_op = torch.library.custom_op("aligndp::quantize_rc", _quantize_rc, mutates_args=())
+
+
+@_quantize_rc_op.register_fake
+def _(x, block, mx, rowwise, colwise):
+    m, n = x.shape
+    scale = torch.uint8 if mx else torch.float32
+    out = []
+    if rowwise:  # data (M, N) quantised along N, scales (N / block, M)
+        out += [
+            x.new_empty(m, n, dtype=torch.float8_e4m3fn),
+            x.new_empty(n // block, m, dtype=scale),
+        ]
+    if colwise:  # data (N, M) = x.T quantised along M, scales (M / block, N)
+        out += [
+            x.new_empty(n, m, dtype=torch.float8_e4m3fn),
+            x.new_empty(m // block, n, dtype=scale),
+        ]
+    return out
+
+
+def quantize_rc(x: torch.Tensor, *, block: int, mx: bool, rowwise: bool, colwise: bool):
+    """``quantize_rows_and_columns`` as ``(row, col)`` pairs ``(data, scale_t)`` or None."""
+    if compiling():
+        flat = iter(torch.ops.aligndp.quantize_rc(x, block, mx, rowwise, colwise))
+    else:
+        flat = iter(_quantize_rc(x, block, mx, rowwise, colwise))
+    return tuple((next(flat), next(flat)) if wanted else None for wanted in (rowwise, colwise))
+
+
+def _scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block: int,
+    mx: bool,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    from aligndp.lowp.recipe import ScaleFormat
+    from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
+
+    out = a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+    scaled_gemm(
+        QuantizedOperand(a, a_scale),
+        QuantizedOperand(b, b_scale),
+        out,
+        block=block,
+        scale_format=ScaleFormat.E8M0 if mx else ScaleFormat.FP32,
+        bias=bias,
+    )
+    return out
+
+
+_scaled_mm_op = torch.library.custom_op("aligndp::scaled_mm", _scaled_mm, mutates_args=())
+
+
+@_scaled_mm_op.register_fake
+def _(a, a_scale, b, b_scale, block, mx, out_dtype, bias):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+def scaled_mm(a, b, *, block: int, mx: bool, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """``A @ B.T (+ bias)`` of quantised ``(data, scale_t)`` pairs into a new (M, N) tensor."""
+    fn = torch.ops.aligndp.scaled_mm if compiling() else _scaled_mm
+    return fn(a[0], a[1], b[0], b[1], block, mx, out_dtype, bias)
