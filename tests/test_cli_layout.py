@@ -43,6 +43,7 @@ def test_flags_are_pinned():
         "--mode",
         "--optimizer",
         "--wgrad",
+        "--capability",
         "--bucket-numel",
         "--dtype",
         "--grad-dtype",
@@ -328,3 +329,17 @@ def test_gpt2_small_shows_the_buckets_the_run_builds(capsys, flags, kwargs):
         dist.destroy_process_group()
     assert shown == built
     assert sum(len(buckets) for _, buckets, _ in shown) > len(shown), "several 40 M buckets"
+
+
+def test_reports_which_layers_the_wgrad_recipe_converts(capsys):
+    """1b on Hopper: fp8 1x128 converts qkv and fc (torchao's rowwise rule keeps layers with
+    out <= 2048: proj, out); MXFP8 has no fast path before sm_100, so nothing on 9.0."""
+    code, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "fp8")
+    assert code == 0
+    assert "wgrad fp8: converts 32 of 65 Linear layers (blocks.*.qkv, blocks.*.fc); keeps " in out
+    _, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "mxfp8", "--capability", "10.0")
+    assert "wgrad mxfp8: converts 32 of 65" in out
+    code, out, _ = layout_main(
+        capsys, "--preset", "1b", "--wgrad", "fp8-tensor", "--capability", "cpu"
+    )
+    assert "converts 0 of 65 Linear layers (none)" in out

@@ -58,7 +58,7 @@ def converted(backend: str, device: str):
     """The net converted for ``backend`` with a fresh-view sink bound (views 256-byte aligned,
     as DataParallel's are), and the sink."""
     torch.manual_seed(0)
-    model = convert_to_mxfp8(Net().to(device), backend=backend)
+    model = convert_to_mxfp8(Net().to(device), backend=backend, layers="all")
     layers = fused_wgrad_modules(model)
     assert [n for n, _ in layers] == ["up", "down"]
     views = {}

@@ -109,7 +109,7 @@ def test_registered_for_every_consumer():
     add_arguments(parser)
     assert parser.parse_args(["--wgrad", "fp8-tensor"]).wgrad == "fp8-tensor"
     model = convert_to_mxfp8(
-        nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 10)), backend="fp8-tensor"
+        nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 10)), backend="fp8-tensor", layers="all"
     )
     assert isinstance(model[0], MXLinear) and not isinstance(model[1], MXLinear)  # head stays
     with pytest.raises(ValueError, match="in_features to be a multiple of 16"):
@@ -134,7 +134,7 @@ class Net(nn.Module):
 
 def make_net() -> nn.Module:
     torch.manual_seed(0)
-    return convert_to_mxfp8(Net(), backend="fp8-tensor")
+    return convert_to_mxfp8(Net(), backend="fp8-tensor", layers="all")
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from aligndp.lowp.backends import WgradBackend
+from aligndp.lowp.layer_rule import TENSORWISE_SKIP, GainRule
 from aligndp.lowp.ops import compiling
 from aligndp.lowp.recipe import BackendRef, Recipe
 from aligndp.plan.spec import Requirement
@@ -151,6 +152,12 @@ RECIPE = Recipe(
     block=16,  # no quantisation blocks: cuBLASLt's FP8 GEMM wants dims that are multiples of 16
     scale_format=TensorScale.FP32_PER_TENSOR,
     layer_dim_multiple=16,
+    gain=GainRule(
+        fast_from=(8, 9),
+        slow_on="torch._scaled_mm on CPU, or without FP8 tensor cores",
+        skip=TENSORWISE_SKIP,
+        source="torchao tensorwise rule: in <= 4096 and out <= 1024",
+    ),
     backends=(
         BackendRef(
             "fp8-tensor",
