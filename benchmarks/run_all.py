@@ -7,8 +7,9 @@ CPU smoke run (gloo, the demo preset, seconds; starts its own 2 ranks when not u
 
 Each row: figure, the peer measured in the same run, figure / peer, the issue's goal, met.
 The measuring code is the single benchmarks' own (``ddp_step``, ``zero1_step``, ``muon_step``,
-``mx_training``, ``mx_kernels``), imported; this script only orders the sections, runs the
-one-GPU sections side by side (rank 0: MX training steps, the last rank: MX kernels) and
+``mx_training``, ``mx_kernels``, ``fp8_step``), imported; this script only orders the
+sections, runs the one-GPU sections side by side (rank 0: MX training steps and issue 23's
+FP8 steps against torchao and bf16, the last rank: MX kernels) and
 writes ``run_all.jsonl`` (an ``env`` object, then one object per row) and ``run_all.md`` to
 ``--out``, rewritten after every section so a run cut short still leaves what it measured.
 A row that could not be measured is still printed, with the reason (``skipped: ...``).
@@ -146,7 +147,9 @@ def run(args: argparse.Namespace) -> None:
     ]
     if args.skip_muon:
         sections[-1] = (lambda: [Row("muon.step", skipped="--skip-muon")], ["muon.step"])
-    sections.append((lambda: one_gpu_sections(ctx, solo), [k for k in ROWS if k.startswith("mx.")]))
+    sections.append(
+        (lambda: one_gpu_sections(ctx, solo), [k for k in ROWS if k.startswith(("mx.", "fp8."))])
+    )
     for fn, keys in sections:
         t0 = time.perf_counter()
         new = guarded(fn, keys)
