@@ -95,7 +95,14 @@ def run_twice(model, sink, x, fn):
     )
 
 
-def check_compiled_like_eager(backend: str, device: str, compile_backend: str):
+def same(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    """Equal bits (``rel`` 0), or a relative norm difference of at most ``rel``."""
+    if rel == 0:
+        return torch.equal(a, b)
+    return ((a.double() - b.double()).norm() <= rel * b.double().norm()).item()
+
+
+def check_compiled_like_eager(backend: str, device: str, compile_backend: str, rel: float = 0.0):
     x = torch.randn(64, 64, device=device, requires_grad=True)  # 64 tokens: two MX blocks
     eager_model, eager_sink = converted(backend, device)
     expected = run_twice(eager_model, eager_sink, x, forward)
@@ -112,12 +119,12 @@ def check_compiled_like_eager(backend: str, device: str, compile_backend: str):
         ready == expected[1] == ["down.weight", "up.weight"] * 4
     )  # two layers, two uses, two backwards
     assert set(grads) == {"up.bias", "head.weight", "head.bias"}  # no weight grad beside the sink
-    assert torch.equal(torch.stack(losses), torch.stack(expected[0]))
+    assert same(torch.stack(losses), torch.stack(expected[0]), rel)
     for name, view in views.items():
-        assert torch.equal(view, expected[2][name]), name
+        assert same(view, expected[2][name], rel), name
     for name, grad in grads.items():
-        assert torch.equal(grad, expected[3][name]), name
-    assert torch.equal(x_grad, expected[4])
+        assert same(grad, expected[3][name], rel), name
+    assert same(x_grad, expected[4], rel)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -132,6 +139,15 @@ def test_compiled_step_has_no_graph_break_and_matches_eager(backend):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_compiled_step_on_gpu(backend):
     check_compiled_like_eager(backend, "cuda", "aot_eager")
+
+
+@NEEDS_CUDA
+def test_inductor_on_gpu():
+    """The one Inductor case: the per-tensor quantise becomes Inductor's own fused kernels.
+    Its division may round differently from torch's in the last bit, flipping an element's
+    E4M3 rounding (one step, 2**-3 relative) on rare elements: a handful among each tensor's
+    8192 moves a norm by well under 1e-2."""
+    check_compiled_like_eager("fp8-tensor", "cuda", "inductor", rel=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -184,3 +200,43 @@ def test_triton_ops_pass_opcheck(block, mx):
     torch.library.opcheck(
         torch.ops.aligndp.scaled_mm, (row[0], row[1], w[0], w[1], block, mx, torch.bfloat16, None)
     )
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group for this module only (other modules start their own)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_compiled_data_parallel_trains_like_eager(one_rank):
+    """Through the real grad sink (aligndp.parallelize, one rank): three AdamW steps of the
+    fp8-tensor net compiled (aot_eager) leave the params equal bit for bit to the eager run's,
+    so every fused wgrad reached its bucket (written, then added) and was reduced in the
+    compiled backward. A dropped or unmarked wgrad would leave its weight unstepped or
+    stale-zero."""
+    import aligndp
+
+    x = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(5))
+    finals = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        net = convert_to_mxfp8(Net(), backend="fp8-tensor", layers="all")
+        model, opt = aligndp.parallelize(net, optimizer="adamw", lr=1e-2, wgrad="fp8-tensor")
+        fwd = torch.compile(forward, backend="aot_eager") if compiled else forward
+        for step in range(3):
+            fwd(model, x[step]).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append({n: p.detach().clone() for n, p in net.named_parameters()})
+        torch._dynamo.reset()
+    eager, compiled = finals
+    torch.manual_seed(0)
+    start = dict(Net().named_parameters())
+    for name, value in compiled.items():
+        assert torch.equal(value, eager[name]), name
+        assert not torch.equal(value, start[name]), f"{name} was never stepped"
