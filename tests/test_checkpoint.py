@@ -7,10 +7,7 @@ cases at other world sizes read them: 4 -> 2 and 2 -> 1, 3, ordered with ``case(
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -20,20 +17,12 @@ import torch.nn as nn
 
 import aligndp
 from tests._dist import case, make_tests
-from tests.test_ddp import Net, batch, loss_of, make_net
-from tests.test_zero1 import assert_rel
+from tests.models import OtherNet, assert_params_match, batch, ckpt, loss_of, make_net
 
-if "ALIGNDP_TEST_CKPT_DIR" not in os.environ:  # the pytest process; ranks inherit the variable
-    os.environ["ALIGNDP_TEST_CKPT_DIR"] = tempfile.mkdtemp(prefix="aligndp-ckpt-")
-    atexit.register(shutil.rmtree, os.environ["ALIGNDP_TEST_CKPT_DIR"], True)
-ROOT = os.environ["ALIGNDP_TEST_CKPT_DIR"]
+REL = 1e-6
 SAVED_AT = 2  # steps trained before the save
 TOTAL = 5
 LR = 1e-2
-
-
-def ckpt(name: str) -> str:
-    return os.path.join(ROOT, name)
 
 
 def lr_at(step: int) -> float:
@@ -202,17 +191,9 @@ def case_failed_save_keeps_previous_checkpoint(rank, ws):
     assert aligndp.load(path, fresh, fresh_opt) == 2
 
 
-class Other(Net):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(11, 36)
-        self.fc2 = nn.Linear(36, 11)
-        self.extra = nn.Linear(2, 2)
-
-
 @case(2)
 def case_wrong_model_is_a_clear_error(rank, ws):
-    model, opt = aligndp.parallelize(Other(), sharding="zero1", lr=LR)
+    model, opt = aligndp.parallelize(OtherNet(), sharding="zero1", lr=LR)
     with pytest.raises(ValueError) as info:
         aligndp.load(ckpt("zero1"), model, opt)
     text = str(info.value)
@@ -233,10 +214,15 @@ def case_wrong_model_is_a_clear_error(rank, ws):
 def resume_and_compare(saved: str, sharding: str, bucket_numel: int | None) -> None:
     model, opt = build(sharding, bucket_numel)
     assert aligndp.load(ckpt(saved), model, opt) == SAVED_AT
-    assert_rel(model.module, reference(SAVED_AT), f"{saved} -> {sharding} right after load")
+    assert_params_match(
+        model.module, reference(SAVED_AT), f"{saved} -> {sharding} right after load", REL
+    )
     train(model, opt, range(SAVED_AT, TOTAL))
-    assert_rel(
-        model.module, reference(TOTAL), f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps"
+    assert_params_match(
+        model.module,
+        reference(TOTAL),
+        f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps",
+        REL,
     )
 
 
