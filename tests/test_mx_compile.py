@@ -240,3 +240,40 @@ def test_compiled_data_parallel_trains_like_eager(one_rank):
     for name, value in compiled.items():
         assert torch.equal(value, eager[name]), name
         assert not torch.equal(value, start[name]), f"{name} was never stepped"
+
+
+def test_identical_layers_compiled_one_by_one_share_one_graph():
+    """Per-block compilation (``block.compile()``), as large models do to keep compile times
+    short: four identical fp8-tensor layers on one sink compile once, no recompile (the
+    fused-wgrad op finds its layer by the weight's address, not by a per-layer constant that
+    Dynamo would guard on), and each layer's wgrad lands in its own view, as in eager."""
+    from torch._dynamo.utils import counters
+
+    def layers_and_sink():
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Linear(64, 16))
+        convert_to_mxfp8(net, backend="fp8-tensor", layers="all")
+        views = {}
+        for layer in list(net)[:4]:
+            flat = aligned_empty(64 * 64, dtype=torch.float32, device="cpu", align_bytes=256)
+            views[layer.weight] = flat.view(64, 64)
+        sink = Sink(views)
+        for layer in list(net)[:4]:
+            layer.bind_grad_sink(sink)
+        return net, sink
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    eager, eager_sink = layers_and_sink()
+    eager(x).square().sum().backward()
+    net, sink = layers_and_sink()
+    for layer in list(net)[:4]:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        net(x).square().sum().backward()
+    torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [id(p) for p in sink.ready] == [id(layer.weight) for layer in list(net)[3::-1]]
+    for layer, ref in zip(list(net)[:4], list(eager)[:4]):
+        assert torch.equal(sink.views[layer.weight], eager_sink.views[ref.weight])

@@ -41,7 +41,6 @@ class _MXLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         backend: WgradBackend,
         sink: GradSink | None,
-        layer: int,
     ):
         x2d = x.reshape(-1, x.shape[-1])  # (tokens, in)
         with torch.autocast(x.device.type, enabled=False):  # the backends pick their own precisions
@@ -54,7 +53,7 @@ class _MXLinearFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(weight)
             ctx.saved_operands = saved
-        ctx.backend, ctx.sink, ctx.layer = backend, sink, layer
+        ctx.backend, ctx.sink = backend, sink
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -79,13 +78,13 @@ class _MXLinearFunction(torch.autograd.Function):
         grad_w = None
         if parts is not None:
             if sink is not None:  # into main_grad; a wgrad back only if the sink has no view
-                grad_w = fused_wgrad(backend, sink, weight, parts, ctx.layer)
+                grad_w = fused_wgrad(backend, sink, weight, parts)
             else:
                 grad_w = backend.wgrad_from_parts(parts, None, tuple(weight.shape))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class MXLinear(nn.Linear):
@@ -119,7 +118,6 @@ class MXLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.backend = backend
         self._grad_sink: GradSink | None = None
-        self._layer_key = -1  # set by bind_grad_sink ([Note: compiled MX layers] in ops.py)
 
     @classmethod
     def from_linear(
@@ -144,16 +142,15 @@ class MXLinear(nn.Linear):
 
     def bind_grad_sink(self, sink: GradSink | None) -> None:
         self._grad_sink = sink
-        self._layer_key = register_layer(self) if sink is not None else -1
+        if sink is not None:  # findable in a compiled backward ([Note: compiled MX layers])
+            register_layer(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             # as nn.Linear under autocast: input, output and bias add in the autocast dtype
             # (the weight is quantised from its own dtype, so it needs no cast)
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return _MXLinearFunction.apply(
-            x, self.weight, self.bias, self.backend, self._grad_sink, self._layer_key
-        )
+        return _MXLinearFunction.apply(x, self.weight, self.bias, self.backend, self._grad_sink)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend.name}"

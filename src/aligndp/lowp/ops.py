@@ -13,22 +13,22 @@ the same Python directly, without the ~5 us of a custom op's dispatch):
   fake impls give Inductor shapes and dtypes ([Note: operand layout] in triton_common.py).
 - the ``fp8-tensor`` quantise is plain torch ops (amax, divide, clamp, cast, transpose), which
   Inductor fuses with the producer of the operand; the GEMM is ``torch._scaled_mm``, an aten op.
-- ``aligndp::fused_wgrad(parts, layer)`` is the whole sink transaction as one opaque op: it
-  finds the layer by the integer key ``bind_grad_sink`` gave it, asks the sink for the target,
-  has the backend write or add the wgrad from ``parts`` (the backward's quantised wgrad
-  operands) into the view, and calls ``mark_ready``. The view is not an argument: which view,
-  and whether it holds anything yet, is the sink's state at run time, not a graph input. The
-  op returns nothing, so it is registered as side-effectful (``has_side_effect``); otherwise
-  dead-code elimination drops it from the compiled backward and the gradient never arrives.
-  The weight's autograd gradient is None, as in eager.
+- ``aligndp::fused_wgrad(parts, weight)`` is the whole sink transaction as one opaque op: it
+  finds the layer whose bound weight lives at ``weight``'s address, asks the layer's sink for
+  the target, has the backend write or add the wgrad from ``parts`` (the backward's quantised
+  wgrad operands) into the view, and calls ``mark_ready``. The view is not an argument: which
+  view, and whether it holds anything yet, is the sink's state at run time, not a graph input.
+  The op returns nothing, so it is registered as side-effectful (``has_side_effect``);
+  otherwise dead-code elimination drops it from the compiled backward and the gradient never
+  arrives. The weight's autograd gradient is None, as in eager.
 
-Layers are keyed by a process-wide counter, so a deep copy of a bound layer shares its
-original's key: bind the copy again (``DataParallel`` does at wrap time).
+Layers are found by their weight's address rather than by a per-layer constant, so identical
+blocks compiled one by one (``block.compile()``) share one graph instead of recompiling per
+layer; the address table is rebuilt whenever a lookup misses or finds a weight that moved.
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Sequence
 
@@ -39,8 +39,9 @@ from aligndp.plan.fused import GradTarget
 
 __all__ = ["compiling", "register_layer", "fused_wgrad", "quantize_rc", "scaled_mm"]
 
-_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+_BOUND: weakref.WeakSet = weakref.WeakSet()
+"""Layers with a grad sink bound (objects with ``weight``, ``backend`` and ``_grad_sink``)."""
+_BY_ADDRESS: dict[int, weakref.ref] = {}
 
 
 def compiling() -> bool:
@@ -48,12 +49,25 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def register_layer(layer: object) -> int:
-    """A new key under which :func:`fused_wgrad` finds ``layer`` (held weakly): an object with
-    ``weight``, ``backend`` and ``_grad_sink``."""
-    key = next(_KEYS)
-    _LAYERS[key] = layer
-    return key
+def register_layer(layer: object) -> None:
+    """Make ``layer`` findable by its weight's address in the compiled backward."""
+    _BOUND.add(layer)
+    _BY_ADDRESS.clear()
+
+
+def _layer_at(weight: torch.Tensor):
+    """The bound layer whose weight starts at ``weight``'s address, or None."""
+    address = weight.data_ptr()
+    ref = _BY_ADDRESS.get(address)
+    layer = ref() if ref is not None else None
+    if layer is None or layer._grad_sink is None or layer.weight.data_ptr() != address:
+        _BY_ADDRESS.clear()
+        for bound in _BOUND:
+            if bound._grad_sink is not None:
+                _BY_ADDRESS[bound.weight.data_ptr()] = weakref.ref(bound)
+        ref = _BY_ADDRESS.get(address)
+        layer = ref() if ref is not None else None
+    return layer
 
 
 def write_wgrad(backend, sink, weight: torch.Tensor, parts: Sequence[torch.Tensor]):
@@ -69,14 +83,15 @@ def write_wgrad(backend, sink, weight: torch.Tensor, parts: Sequence[torch.Tenso
 
 
 @torch.library.custom_op("aligndp::fused_wgrad", mutates_args=())
-def _fused_wgrad_op(parts: list[torch.Tensor], layer: int) -> None:
-    module = _LAYERS.get(layer)
-    if module is None or module._grad_sink is None:
+def _fused_wgrad_op(parts: list[torch.Tensor], weight: torch.Tensor) -> None:
+    layer = _layer_at(weight)
+    if layer is None:
         raise RuntimeError(
-            f"internal: MX layer {layer} is gone or has no grad sink, but its compiled backward "
-            "writes into one; recompile after rebinding (torch._dynamo.reset())"
+            f"internal: no MX layer with a grad sink holds a weight at {weight.data_ptr():#x}, "
+            "but a compiled backward writes its wgrad into one; recompile after rebinding "
+            "(torch._dynamo.reset())"
         )
-    leftover = write_wgrad(module.backend, module._grad_sink, module.weight, parts)
+    leftover = write_wgrad(layer.backend, layer._grad_sink, layer.weight, parts)
     if leftover is not None:
         raise RuntimeError(
             "a compiled MX layer's weight has no view in its grad sink; its gradient would be "
@@ -85,17 +100,17 @@ def _fused_wgrad_op(parts: list[torch.Tensor], layer: int) -> None:
 
 
 @_fused_wgrad_op.register_fake
-def _(parts, layer):
+def _(parts, weight):
     return None
 
 
 has_side_effect(torch.ops.aligndp.fused_wgrad.default)
 
 
-def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor], layer: int):
+def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor]):
     """:func:`write_wgrad`, through the opaque op while compiling (returns None there)."""
     if compiling():
-        torch.ops.aligndp.fused_wgrad(list(parts), layer)
+        torch.ops.aligndp.fused_wgrad(list(parts), weight)
         return None
     return write_wgrad(backend, sink, weight, parts)
 
