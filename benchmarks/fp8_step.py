@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import json
 import statistics
 import time
 import warnings
@@ -59,6 +60,11 @@ class Result:
     """Why it was not timed, or what it converted."""
     converted: str = ""
     """``k/n`` Linear layers converted (aligndp recipes)."""
+    host_ms: list[float] = dataclasses.field(default_factory=list)
+    """Median ms per step the host took to issue the steps (before the closing sync): near
+    ``ms`` when the step is host-bound."""
+    profile: dict = dataclasses.field(default_factory=dict)
+    """``--profile``: wall ms and per-kernel GPU ms per step (benchmarks/profile_ddp.py)."""
 
     @property
     def best(self) -> float:
@@ -144,16 +150,25 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
     for _ in range(args.warmup):
         step(model, opt, *batch(), device.type)
     sync(device)
-    rounds = []
+    rounds, issued = [], []
     for _ in range(args.rounds):
         xs = [batch() for _ in range(args.steps)]
         sync(device)
         t0 = time.perf_counter()
         for x, y in xs:
             loss = step(model, opt, x, y, device.type)
+        issued.append((time.perf_counter() - t0) / args.steps * 1e3)
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps * 1e3)
     result.ms.append(statistics.median(rounds))
+    result.host_ms.append(statistics.median(issued))
+    if args.profile and device.type == "cuda" and variant not in result.profile:
+        from profile_ddp import profile_steps
+
+        xs = iter([batch() for _ in range(4)])
+        result.profile = profile_steps(
+            lambda: step(model, opt, *next(xs), "cuda"), steps=3, warmup=1
+        )
     result.loss = loss.item()
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -203,13 +218,14 @@ def table(args, results: dict[str, Result]) -> list[str]:
         f"best of {args.passes} passes of the median of {args.rounds} rounds x {args.steps} steps; "
         f"layers: {args.layers}",
         "",
-        "| variant | ms/step | / bf16 eager | / bf16+compile | / torchao+compile | loss "
-        "| peak GiB | FP8 layers |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | ms/step | host ms/step | / bf16 eager | / bf16+compile | / torchao+compile "
+        "| loss | peak GiB | FP8 layers |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for v, r in results.items():
         rows.append(
-            f"| {v} | {r.best:.1f} | {ratio(v, 'bf16')} | {ratio(v, 'bf16+compile')} | "
+            f"| {v} | {r.best:.1f} | {min(r.host_ms, default=float('nan')):.1f} | "
+            f"{ratio(v, 'bf16')} | {ratio(v, 'bf16+compile')} | "
             f"{ratio(v, 'torchao+compile')} | {r.loss:.3f} | {r.peak_gib:.1f} | "
             f"{r.converted or ('-' if r.ms else 'not timed')} |"
         )
@@ -238,6 +254,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--out", default="", help="also write the table to this file")
+    ap.add_argument(
+        "--profile",
+        default="",
+        metavar="JSON",
+        help="CUDA only: also profile 3 steps of each variant after its first timing and write "
+        "wall ms, GPU ms per kernel class and per kernel to this file (adds seconds, not minutes)",
+    )
     ap.add_argument(
         "--smoke",
         action="store_true",
@@ -313,6 +336,9 @@ def main(argv=None) -> dict[str, Result]:
         dist.destroy_process_group()
     rows = table(args, results)
     print("\n".join(rows), flush=True)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            json.dump({v: r.profile for v, r in results.items() if r.profile}, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(rows) + "\n")
