@@ -119,7 +119,7 @@ def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor]):
 
 
 def _quantize_rc(
-    x: torch.Tensor, block: int, mx: bool, rowwise: bool, colwise: bool
+    x: torch.Tensor, block: int, mx: bool, rowwise: bool, colwise: bool, one: bool = True
 ) -> list[torch.Tensor]:
     from aligndp.lowp.recipe import ScaleFormat
     from aligndp.lowp.triton_kernels import quantize_rows_and_columns
@@ -130,11 +130,20 @@ def _quantize_rc(
         scale_format=ScaleFormat.E8M0 if mx else ScaleFormat.FP32,
         rowwise=rowwise,
         colwise=colwise,
+        one_allocation=one,  # a custom op's outputs may not share storage
     )
     return [t for op in (row, col) if op is not None for t in op]
 
 
-_quantize_rc_op = torch.library.custom_op("aligndp::quantize_rc", _quantize_rc, mutates_args=())
+def _quantize_rc_separate(
+    x: torch.Tensor, block: int, mx: bool, rowwise: bool, colwise: bool
+) -> list[torch.Tensor]:
+    return _quantize_rc(x, block, mx, rowwise, colwise, one=False)
+
+
+_quantize_rc_op = torch.library.custom_op(
+    "aligndp::quantize_rc", _quantize_rc_separate, mutates_args=()
+)
 
 
 @_quantize_rc_op.register_fake
