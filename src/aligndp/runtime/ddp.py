@@ -281,6 +281,14 @@ class DataParallel(GradSync, nn.Module):
             self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
         )
 
+    def wait_for_params(self) -> None:
+        """Wait for every param all-gather still in flight (``overlap_param_gather=True``). Any
+        read of a param already waits for its own gather ([Note: reads wait for the gather] in
+        wrapped_param.py); call this before reading through an alias taken before the step (a
+        view, a ``data_ptr()``) or to end the step's communication. A no-op otherwise."""
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
+
     def forward(self, *args, **kwargs):
         if self._replaced:
             raise RuntimeError(
