@@ -281,8 +281,10 @@ def run_all_rows(ctx, group) -> list:
     """benchmarks/run_all.py's rows of issue 23's goals at ``--mx-preset``, on rank 0 alone
     (``group``): one pass; on CPU (``--smoke``) only the per-tensor recipe compiled, by
     aot_eager on every layer, beside bf16 eager (a smoke test of the path, no figure)."""
-    from run_all_table import Goal, Row
+    from run_all_table import FP8_ROWS, Goal, Row
 
+    if ctx.args.skip_fp8_step:
+        return [Row(key, skipped="--skip-fp8-step") for key in FP8_ROWS]
     cpu = ctx.device.type == "cpu"
     argv = ["--preset", ctx.args.mx_preset, "--batch", str(ctx.args.batch), "--passes", "1"]
     argv += ["--rounds", str(ctx.args.mx_rounds), "--steps", str(ctx.args.mx_steps)]

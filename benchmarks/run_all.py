@@ -1,6 +1,7 @@
 """Every figure of issue 14 beside its peer, measured in one run, as one table.
 
-GPU (2 GPUs; the figures we report; about 3-5 minutes with the 1b preset):
+GPU (2 GPUs; the figures we report; about 3-5 minutes with the 1b preset, plus 2-4 for issue
+23's FP8 rows, which compile three 1b models on rank 0; --skip-fp8-step leaves them out):
     PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/run_all.py --out DIR
 CPU smoke run (gloo, the demo preset, seconds; starts its own 2 ranks when not under torchrun):
     python benchmarks/run_all.py --smoke --out DIR
@@ -260,6 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--kernel-size", type=int, default=8192, help="M = N = K of the MX kernel rows")
     ap.add_argument("--skip-muon", action="store_true", help="leave out the layer-wise Muon row")
+    ap.add_argument(
+        "--skip-fp8-step",
+        action="store_true",
+        help="leave out issue 23's FP8 rows (three compiled 1b models on rank 0: minutes; "
+        "benchmarks/fp8_step.py runs them alone)",
+    )
     ap.add_argument(
         "--timeout-s", type=int, default=420, help="collective timeout: a hung rank ends the run"
     )
