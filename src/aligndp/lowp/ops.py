@@ -20,7 +20,9 @@ the same Python directly, without the ~5 us of a custom op's dispatch):
   view, and whether it holds anything yet, is the sink's state at run time, not a graph input.
   The op returns nothing, so it is registered as side-effectful (``has_side_effect``);
   otherwise dead-code elimination drops it from the compiled backward and the gradient never
-  arrives. The weight's autograd gradient is None, as in eager.
+  arrives (torch 2.13 drops it without). It also declares that it mutates an empty token
+  tensor, since older Inductor schedulers keep an output-less fallback kernel only when its
+  schema mutates something. The weight's autograd gradient is None, as in eager.
 
 Layers are found by their weight's address rather than by a per-layer constant, so identical
 blocks compiled one by one (``block.compile()``) share one graph instead of recompiling per
@@ -82,8 +84,8 @@ def write_wgrad(backend, sink, weight: torch.Tensor, parts: Sequence[torch.Tenso
     return None
 
 
-@torch.library.custom_op("aligndp::fused_wgrad", mutates_args=())
-def _fused_wgrad_op(parts: list[torch.Tensor], weight: torch.Tensor) -> None:
+@torch.library.custom_op("aligndp::fused_wgrad", mutates_args=("token",))
+def _fused_wgrad_op(parts: list[torch.Tensor], weight: torch.Tensor, token: torch.Tensor) -> None:
     layer = _layer_at(weight)
     if layer is None:
         raise RuntimeError(
@@ -100,7 +102,7 @@ def _fused_wgrad_op(parts: list[torch.Tensor], weight: torch.Tensor) -> None:
 
 
 @_fused_wgrad_op.register_fake
-def _(parts, weight):
+def _(parts, weight, token):
     return None
 
 
@@ -110,7 +112,9 @@ has_side_effect(torch.ops.aligndp.fused_wgrad.default)
 def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor]):
     """:func:`write_wgrad`, through the opaque op while compiling (returns None there)."""
     if compiling():
-        torch.ops.aligndp.fused_wgrad(list(parts), weight)
+        # the empty token it "mutates" keeps Inductor releases whose scheduler asks only the
+        # schema (not has_side_effect) from dropping the op; torch 2.13 needs has_side_effect
+        torch.ops.aligndp.fused_wgrad(list(parts), weight, weight.new_empty(0))
         return None
     return write_wgrad(backend, sink, weight, parts)
 
