@@ -51,7 +51,8 @@ class TrainConfig:
     none on a device without the format's fast path, e.g. a CPU) or all (every layer the
     recipe can run: a correctness path where it is emulated)."""
     lr: float = 3e-3
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it); with
+    --optimizer muon the one lr of Muon and AdamW (Muon's update scaled to AdamW's RMS)."""
     seed: int = 0
     """Seeds the model's initialisation and the order of the data."""
     nproc: int = 2

@@ -226,6 +226,7 @@ class DataParallel(GradSync, nn.Module):
         self._param_gather = None
         self._joined: _Join | None = None
         self._replaced = False
+        self._comm_hook: str | None = None
         self._claim_params(fused)
 
     # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
@@ -318,6 +319,17 @@ class DataParallel(GradSync, nn.Module):
         finally:
             self._joined = None
         joined.leave()  # only after a normal exit: after an error the peers are out of step
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """torch DDP's ``register_comm_hook``, once, for torch's own compression hooks with
+        ``sharding="none"``; other hooks and sharded modes are refused ([Note: comm hooks] in
+        aligndp/runtime/comm_hooks.py)."""
+        from aligndp.runtime.comm_hooks import with_comm_hook
+
+        if self._comm_hook is not None:
+            raise RuntimeError(f"register_comm_hook can only be called once; {self._comm_hook}")
+        self.collectives = with_comm_hook(self.collectives, state, hook, layouts=self.layouts)
+        self._comm_hook = f"{getattr(hook, '__qualname__', hook)} is registered"
 
     def remove_hooks(self) -> None:
         """Detach from the module (hooks and fused-wgrad sinks); buffers stay bound."""
