@@ -34,7 +34,8 @@ import torch
 __all__ = ["FlatPiece", "torch_state_to_model_space", "model_space_to_torch_state"]
 
 _IMPL_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
-"""param_group keys that describe the implementation, not the maths: never restored."""
+"""param_group keys that describe the implementation, not the maths: saved (torch's own loaders
+expect every key) but never restored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +60,16 @@ def torch_state_to_model_space(
     extents: dict[str, tuple[int, int]],
     *,
     elementwise: bool,
+    group_names: list[list[str]] | None = None,
 ) -> dict[str, object]:
     """Model-space entries of a torch optimizer whose i-th param is the owned part of ``names[i]``.
 
     ``extents[name] = (offset, full numel)``. ``elementwise``: the part declares its state
     per-element, so tensors shaped like the (owned part of the) param become pieces; otherwise
-    every state tensor is whole.
+    every state tensor is whole. ``param_groups`` are torch's, every option included, with
+    ``params`` the names of each group's params on every rank (``group_names``; by default
+    ``names`` in ``inner``'s order, right when ``inner`` holds every param), as
+    ``get_optimizer_state_dict`` writes them.
     """
     params = [p for g in inner.param_groups for p in g["params"]][: len(names)]
     sd: dict[str, object] = {}
@@ -88,8 +93,12 @@ def torch_state_to_model_space(
                 )
             else:
                 sd[f"state.{name}.{key}"] = value.detach()
+    if group_names is None:
+        it = iter(names)
+        group_names = [[next(it) for _ in g["params"]] for g in inner.param_groups]
     sd["param_groups"] = [
-        {k: v for k, v in g.items() if k not in _IMPL_FLAGS} for g in inner.param_groups
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(group)}
+        for g, group in zip(inner.param_groups, group_names)
     ]
     return sd
 
