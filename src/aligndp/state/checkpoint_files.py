@@ -111,9 +111,7 @@ def _os_error_under(e: BaseException) -> OSError | None:
 
 
 def first_os_error(e: CheckpointException) -> BaseException | None:
-    return next(
-        (os_e for exc, _ in e.failures.values() if (os_e := _os_error_under(exc))), None
-    )
+    return next((os_e for exc, _ in e.failures.values() if (os_e := _os_error_under(exc))), None)
 
 
 class Writer(dcp.FileSystemWriter):
