@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import aligndp
@@ -316,6 +317,12 @@ def case_plain_module_reads_every_key_at_full_shape(rank, ws):
     assert state.keys() == expected[0].keys()
     for key, value in expected[0].items():
         assert torch.equal(state[key], value), f"{key}: read back differs on rank {rank}"
+    if rank == 0:  # DCP's own converter to one torch.save file, then a strict load_state_dict
+        dcp_to_torch_save(ckpt("odd"), ckpt("odd.pt"))
+        again = Odd()
+        again.load_state_dict(torch.load(ckpt("odd.pt"), weights_only=True)["model"])
+        for key, value in again.state_dict().items():
+            assert torch.equal(value, expected[0][key]), f"{key}: differs through torch.save"
 
 
 @case(1, after=(2,))

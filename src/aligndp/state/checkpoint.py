@@ -1,12 +1,14 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP) that reshard across dp sizes.
 
 [Note: model-space state] (aligndp/state/model_space.py) names every entry by param name; the
-file holds ``model.<name>``, ``optim.state.<name>.<key>``, ``optim.param_groups``,
-``buffers.<name>`` and the sidecar ``aligndp.json`` (step, param shapes, dp_size of the writer).
+file is a plain DCP checkpoint in torch's layout ([Note: checkpoint format] in DESIGN.md):
+``model.<key>`` for every key of the module's ``state_dict()``, ``optim.state.<name>.<key>``,
+``optim.param_groups.<i>.<option>``, and the sidecar ``aligndp.json`` (format, step, param
+shapes, dp_size of the writer, a CRC-32 per file).
 
-Writes are sharded (aligndp/state/dcp_io.py): each rank writes only the elements it owns
-and DCP's load planner reads any other cut of them. The file checks live in
-aligndp/state/checkpoint_files.py.
+Writes are sharded (aligndp/state/dcp_io.py): each rank writes only the elements it owns, as
+chunks of the full-shape tensor, and DCP's load planners read any other cut of them. The file
+checks live in aligndp/state/checkpoint_files.py.
 
 Atomicity: everything is written into ``<path>.partial``; after every rank has finished
 (barrier) rank 0 moves the old ``path`` aside, renames the new one into place and deletes
@@ -19,13 +21,14 @@ the old one. A save that raises part-way leaves ``path`` untouched.
 - A user's file is never renamed or deleted: ``path``, ``<path>.partial`` and ``<path>.old``
   are replaced only when they are aligndp checkpoint directories (``aligndp.json`` or DCP
   files inside) or empty directories; anything else is a ``ValueError`` before any write.
-- A failed write (disk full, permissions) removes ``<path>.partial`` and raises one
-  ``OSError`` line naming the reason and the file, on every rank.
+- A failed write (disk full, a file-size limit, permissions) removes ``<path>.partial`` and
+  raises one ``OSError`` line naming the reason and the file, on every rank.
 - Before reading, every rank checks ``aligndp.json``, ``.metadata`` and that every shard file
-  exists and is as long as the metadata says; the ranks share their findings (one
-  ``all_gather_object``) and all raise the same one-line ``ValueError`` naming the file.
-- Module buffers and frozen params (``buffers.<name>``) are written by rank 0 only, so the
-  checkpoint holds rank 0's copy (as wrapping broadcast it), never another rank's.
+  exists and is as long as the metadata says, and its share of the files against their
+  CRC-32; the ranks share their findings (one ``all_gather_object``) and all raise the same
+  one-line ``ValueError`` naming the file.
+- Module buffers and frozen params are written by rank 0 only, so the checkpoint holds rank
+  0's copy (as wrapping broadcast it), never another rank's.
 - ``prune_checkpoints(directory, keep_last)`` deletes all but the newest ``step-N``
   checkpoints of a directory (``aligndp train --keep-last``).
 """

@@ -2,15 +2,15 @@
 
 [Note: model-space state]
 A checkpoint never mentions buffers, buckets or ranks: every entry is keyed by param name in
-model space, and per-element tensors are stored flattened to 1-D with the param's full numel:
+model space, at the param's full shape ([Note: checkpoint format] in DESIGN.md):
 
-    model.<name>                fp32 param values (the fp32 masters where they exist)
-    optim.state.<name>.<key>    per-element state (exp_avg, ...): (numel,); whole state
-                                (step, a preconditioner, a whole-matrix optimizer's momentum):
-                                its own shape
-    optim.param_groups          hyper-parameters of each group (no params, no impl flags)
-    buffers.<name>              the module's persistent non-param buffers
-    aligndp.json                step, param shapes, dp_size of the writer (a sidecar file)
+    model.<key>                     every key of the module's state_dict(): fp32 param values
+                                    (the fp32 masters where they exist), buffers
+    optim.state.<name>.<key>        per-element state (exp_avg, ...): the param's shape; whole
+                                    state (step, a preconditioner, a whole-matrix optimizer's
+                                    momentum): its own shape
+    optim.param_groups.<i>.<opt>    every option of each torch group; params: their names
+    aligndp.json                    format, step, param shapes, writer dp_size, CRC-32 per file
 
 An optimizer takes part through three methods (ShardedOptimizer and CompositeOptimizer have
 them; a bare torch optimizer, or none, gets them from an adapter in checkpoint.py):
