@@ -170,7 +170,8 @@ def _shapes(model: DataParallel) -> dict[str, tuple[int, ...]]:
 def _other_tensors(model: DataParallel) -> dict[str, torch.Tensor]:
     """The module's state that aligndp does not train (buffers, frozen params), as detached aliases.
 
-    A trained param reachable under a second name (tied weights) is saved once, as ``model.<name>``.
+    A trained param reachable under a second name (tied weights) is not among them: it is
+    saved under each name and read back once, under its first.
     """
     trained = {id(p) for p in model.param_names}
     return {
