@@ -12,7 +12,7 @@ reduction order into ~1e-4 relative differences (tests/test_muon.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,22 @@ import torch.nn.functional as F
 
 import aligndp
 from aligndp.plan.routing import route_params
-from tests.test_ddp import VOCAB, Net, batch, loss_of, make_net  # noqa: F401  (re-exported)
-from tests.test_muon import fp32_newton_schulz
+from tests.models import (  # noqa: F401  (re-exported)
+    VOCAB,
+    BatchNormNet,
+    HeadReadNet,
+    Net,
+    assert_close,
+    assert_params_match,
+    assert_replicas_identical,
+    batch,
+    fp32_newton_schulz,
+    loss_of,
+    make_net,
+    rel_error,
+    seeded,
+    snapshot,
+)
 
 LR = 1e-2
 BUCKET_NUMEL = 150
@@ -108,38 +122,6 @@ class TorchDDP:
             opt.zero_grad(set_to_none=set_to_none)
 
 
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.detach().float(), expected.detach().float()
-    scale = expected.norm()
-    if scale == 0:
-        return float(actual.norm())
-    return float((actual - expected).norm() / scale)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rel: float = REL) -> None:
-    err = rel_error(actual, expected)
-    assert err <= rel, f"{what}: relative error {err:.2e} > {rel:.0e}"
-
-
-def assert_params_match(ours: nn.Module, theirs: nn.Module, what: str, rel: float = REL) -> None:
-    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        assert_close(p, q, f"{what} {n}", rel)
-
-
-def assert_replicas_identical(module: nn.Module, what: str) -> None:
-    """Every rank's params equal rank 0's bit for bit (checked on every rank: no rank left
-    behind)."""
-    flat = torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    differ = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-    assert not differ, f"{what}: ranks {differ} hold other params than rank 0"
-
-
-def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
 def micro_batches(
     step: int, rank: int, ws: int, count: int
 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -184,7 +166,7 @@ def step_both(model, opt, ref: TorchDDP, what: str, *, set_to_none: bool = True)
     opt.zero_grad(set_to_none=set_to_none)
     ref.step()
     ref.zero_grad(set_to_none=set_to_none)
-    assert_params_match(model.module, ref.module, what)
+    assert_params_match(model.module, ref.module, what, REL)
 
 
 @contextlib.contextmanager
@@ -201,41 +183,6 @@ def shared_path(name: str) -> Iterator[str]:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(obj[0], ignore_errors=True)
-
-
-# ---- models ----
-
-
-class BatchNormNet(nn.Module):
-    """Embedding -> Linear -> BatchNorm1d -> Linear: running statistics differ per rank's data."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 11)
-        self.fc1 = nn.Linear(11, 37, bias=False)  # a bias before BatchNorm gets only rounding noise
-        self.norm = nn.BatchNorm1d(37)
-        self.head = nn.Linear(37, VOCAB)
-
-    def forward(self, idx: torch.Tensor, skip_mix: bool = False) -> torch.Tensor:
-        x = self.fc1(self.emb(idx))  # (batch, tokens, 37)
-        x = self.norm(x.reshape(-1, 37)).reshape(x.shape)
-        return self.head(torch.tanh(x))
-
-
-class HeadReadNet(Net):
-    """Net whose forward reads the head's weight with ``F.linear`` instead of calling ``self.head``
-    (fused-loss kernels and tied heads do the same)."""
-
-    def forward(self, idx: torch.Tensor, skip_mix: bool = False) -> torch.Tensor:
-        x = self.emb(idx)
-        x = x + self.fc2(torch.tanh(self.fc1(x)))
-        x = self.mix(torch.tanh(self.mix(x)))
-        return F.linear(x, self.head.weight)
-
-
-def seeded(factory: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    return factory()
 
 
 class NormalisedSGD(torch.optim.Optimizer):

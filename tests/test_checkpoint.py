@@ -7,11 +7,8 @@ cases at other world sizes read them: 4 -> 2 and 2 -> 1, 3, ordered with ``case(
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import shutil
-import tempfile
 from unittest import mock
 
 import pytest
@@ -24,20 +21,20 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import aligndp
 from tests._dist import case, make_tests
-from tests.test_ddp import VOCAB, Net, batch, loss_of, make_net
-from tests.test_zero1 import assert_rel
+from tests.models import (
+    VOCAB,
+    OtherNet,
+    assert_params_match,
+    batch,
+    ckpt,
+    loss_of,
+    make_net,
+)
 
-if "ALIGNDP_TEST_CKPT_DIR" not in os.environ:  # the pytest process; ranks inherit the variable
-    os.environ["ALIGNDP_TEST_CKPT_DIR"] = tempfile.mkdtemp(prefix="aligndp-ckpt-")
-    atexit.register(shutil.rmtree, os.environ["ALIGNDP_TEST_CKPT_DIR"], True)
-ROOT = os.environ["ALIGNDP_TEST_CKPT_DIR"]
+REL = 1e-6
 SAVED_AT = 2  # steps trained before the save
 TOTAL = 5
 LR = 1e-2
-
-
-def ckpt(name: str) -> str:
-    return os.path.join(ROOT, name)
 
 
 def lr_at(step: int) -> float:
@@ -205,17 +202,9 @@ def case_failed_save_keeps_previous_checkpoint(rank, ws):
     assert aligndp.load(path, fresh, fresh_opt) == 2
 
 
-class Other(Net):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(11, 36)
-        self.fc2 = nn.Linear(36, 11)
-        self.extra = nn.Linear(2, 2)
-
-
 @case(2)
 def case_wrong_model_is_a_clear_error(rank, ws):
-    model, opt = aligndp.parallelize(Other(), sharding="zero1", lr=LR)
+    model, opt = aligndp.parallelize(OtherNet(), sharding="zero1", lr=LR)
     with pytest.raises(ValueError) as info:
         aligndp.load(ckpt("zero1"), model, opt)
     text = str(info.value)
@@ -236,10 +225,15 @@ def case_wrong_model_is_a_clear_error(rank, ws):
 def resume_and_compare(saved: str, sharding: str, bucket_numel: int | None) -> None:
     model, opt = build(sharding, bucket_numel)
     assert aligndp.load(ckpt(saved), model, opt) == SAVED_AT
-    assert_rel(model.module, reference(SAVED_AT), f"{saved} -> {sharding} right after load")
+    assert_params_match(
+        model.module, reference(SAVED_AT), f"{saved} -> {sharding} right after load", REL
+    )
     train(model, opt, range(SAVED_AT, TOTAL))
-    assert_rel(
-        model.module, reference(TOTAL), f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps"
+    assert_params_match(
+        model.module,
+        reference(TOTAL),
+        f"{saved} -> {sharding} after {TOTAL - SAVED_AT} more steps",
+        REL,
     )
 
 
@@ -266,7 +260,9 @@ def case_plain_torch_resumes_aligndp_checkpoints(rank, ws):
     for saved in ("zero1-dp4", "zero1", "none"):
         net = make_net()
         dcp.load({"model": net.state_dict()}, checkpoint_id=ckpt(saved), no_dist=True)
-        assert_rel(net, reference(SAVED_AT), f"{saved}: model part read into a plain module")
+        assert_params_match(
+            net, reference(SAVED_AT), f"{saved}: model part read into a plain module", REL
+        )
         net = make_net()
         opt = torch.optim.AdamW(net.parameters(), lr=LR)
         model_sd, optim_sd = get_state_dict(net, opt)
@@ -278,7 +274,7 @@ def case_plain_torch_resumes_aligndp_checkpoints(rank, ws):
             loss_of(net, *batch(step)).backward()
             opt.step()
             opt.zero_grad()
-        assert_rel(net, reference(TOTAL), f"{saved}: plain torch resumed it")
+        assert_params_match(net, reference(TOTAL), f"{saved}: plain torch resumed it", REL)
 
 
 class Odd(nn.Module):

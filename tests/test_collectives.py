@@ -25,7 +25,7 @@ from aligndp.runtime.collective_backends import (
 from aligndp.runtime.collectives import TorchCollectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
-from tests.test_ddp import batch, loss_of, make_net
+from tests.models import batch, loss_of, make_net
 
 STEPS = 3
 ARENA_ALIGN = 4096

@@ -15,48 +15,9 @@ import torch.nn.functional as F
 import aligndp
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
+from tests.models import VOCAB, NetWithBuffers, assert_close, batch, loss_of, make_net
 
-GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
-VOCAB = 29
-
-
-class Net(nn.Module):
-    """Odd sizes everywhere (no dim a multiple of 64); ``mix`` is used twice per forward."""
-
-    def __init__(self, frozen: bool = False):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 11)
-        self.fc1 = nn.Linear(11, 37)
-        self.fc2 = nn.Linear(37, 11)
-        self.mix = nn.Linear(11, 11)
-        self.head = nn.Linear(11, VOCAB, bias=False)
-        if frozen:
-            self.fc1.requires_grad_(False)
-
-    def forward(self, idx: torch.Tensor, skip_mix: bool = False) -> torch.Tensor:
-        x = self.emb(idx)
-        x = x + self.fc2(torch.tanh(self.fc1(x)))
-        if not skip_mix:
-            x = self.mix(torch.tanh(self.mix(x)))  # the same weight twice
-        return self.head(x)
-
-
-def make_net(frozen: bool = False) -> Net:
-    torch.manual_seed(0)
-    return Net(frozen)
-
-
-def batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank's slice of the global batch of ``step`` (the same global batch at every world size)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
-    tgt = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
-    n = GLOBAL_BATCH // world_size
-    return idx[rank * n : (rank + 1) * n], tgt[rank * n : (rank + 1) * n]
-
-
-def loss_of(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(idx).reshape(-1, VOCAB), tgt.reshape(-1))
+REL = 1e-5
 
 
 def reference_grads(step: int = 0, frozen: bool = False) -> dict[str, torch.Tensor]:
@@ -64,12 +25,6 @@ def reference_grads(step: int = 0, frozen: bool = False) -> dict[str, torch.Tens
     net = make_net(frozen)
     loss_of(net, *batch(step)).backward()
     return {n: p.grad for n, p in net.named_parameters() if p.requires_grad}
-
-
-def assert_close(
-    actual: torch.Tensor, expected: torch.Tensor, name: str, rtol=1e-5, atol=1e-7
-) -> None:
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def grads_match_torch_ddp(overlap: bool) -> None:
@@ -105,7 +60,7 @@ def grads_match_torch_ddp(overlap: bool) -> None:
             assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), (
                 f"{n}: param.grad must show the reduced main_grad view itself"
             )
-            assert_close(p.main_grad, q.grad, n)
+            assert_close(p.main_grad, q.grad, n, REL)
     ours.remove_hooks()
 
 
@@ -126,7 +81,7 @@ def case_grads_match_single_process_global_batch(rank, ws):
     ours.finish_grad_sync()
     ref = reference_grads()
     for n, p in ours.module.named_parameters():
-        assert_close(p.main_grad, ref[n], n)
+        assert_close(p.main_grad, ref[n], n, REL)
 
 
 @case(2, 3)
@@ -155,7 +110,7 @@ def case_no_sync_four_micro_batches(rank, ws):
     ours.finish_grad_sync()
     ref = reference_grads()
     for n, p in ours.module.named_parameters():
-        assert_close(p.main_grad, ref[n], n)
+        assert_close(p.main_grad, ref[n], n, REL)
 
 
 @case(2)
@@ -176,7 +131,7 @@ def case_unused_param_after_zero_grad_reads_zero(rank, ws):
     F.cross_entropy(
         net(*batch(1)[:1], skip_mix=True).reshape(-1, VOCAB), batch(1)[1].reshape(-1)
     ).backward()
-    assert_close(ours.module.fc1.weight.main_grad, net.fc1.weight.grad, "fc1.weight")
+    assert_close(ours.module.fc1.weight.main_grad, net.fc1.weight.grad, "fc1.weight", REL)
 
 
 @case(2)
@@ -191,7 +146,7 @@ def case_frozen_params_excluded(rank, ws):
     ref = reference_grads(frozen=True)
     for n, p in ours.module.named_parameters():
         if p.requires_grad:
-            assert_close(p.main_grad, ref[n], n)
+            assert_close(p.main_grad, ref[n], n, REL)
 
 
 @case(2, 3)
@@ -212,7 +167,7 @@ def case_adamw_three_steps_identical_replicas_and_single_process(rank, ws):
         for other in gathered[1:]:
             assert torch.equal(other, gathered[0]), "replicas differ"
         for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
-            assert_close(p, q, f"step {step} {n}", rtol=1e-5, atol=1e-6)
+            assert_close(p, q, f"step {step} {n}", REL)
 
 
 @case(2)
@@ -234,7 +189,7 @@ def case_lr_scheduler_and_clipping(rank, ws):
         ref_opt.zero_grad()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
-        assert_close(p, q, n, rtol=1e-5, atol=1e-6)
+        assert_close(p, q, n, REL)
 
 
 @case(2)
@@ -279,7 +234,7 @@ def case_bf16_params_fp32_grad_buffer(rank, ws):
     ref = make_net().to(torch.bfloat16)
     loss_of(ref, *batch(0)).backward()
     for (n, p), q in zip(ours.module.named_parameters(), ref.parameters()):
-        assert_close(p.main_grad, q.grad.float(), n, rtol=2e-2, atol=2e-3)
+        assert_close(p.main_grad, q.grad.float(), n, 2e-2)
 
 
 @case(2)
@@ -412,7 +367,7 @@ def case_no_sync_after_readiness_is_learned_launches_nothing(rank, ws):
         f"one agreement all-reduce per reduction: {calls}"
     )
     for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
-        assert_close(p.main_grad, q.grad, f"step 1 {n}")
+        assert_close(p.main_grad, q.grad, f"step 1 {n}", REL)
     ours.remove_hooks()
 
 
@@ -443,13 +398,6 @@ def case_check_finite_names_the_param_for_nan_and_both_infinities(rank, ws):
     loss_of(clean, *batch(0, rank, ws)).backward()
     clean.finish_grad_sync()  # finite grads pass
     clean.remove_hooks()
-
-
-class NetWithBuffers(Net):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("running", torch.randn(7))
-        self.register_buffer("scratch", torch.randn(3), persistent=False)
 
 
 @case(2, 3)
@@ -517,9 +465,7 @@ def run_sgd_against_one_process(
         ref_opt.step()
         ref_opt.zero_grad()
         for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
-            assert_close(
-                p, q, f"{sharding} clip {max_grad_norm} step {step} {n}", rtol=1e-5, atol=1e-6
-            )
+            assert_close(p, q, f"{sharding} clip {max_grad_norm} step {step} {n}", REL)
     return norms
 
 

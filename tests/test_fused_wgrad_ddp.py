@@ -28,6 +28,7 @@ from aligndp.plan.fused import fused_wgrad_modules
 from aligndp.plan.spec import Mode
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
+from tests.models import MixMLP, seeded
 
 TOKENS, DIM, HIDDEN, CLASSES = (
     64,
@@ -39,26 +40,10 @@ MICRO = 32
 STEPS = 3  # step 0 learns readiness; steps 1 and 2 launch every bucket during backward
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(
-            HIDDEN, DIM, bias=False
-        )  # alone in its bucket: see check_against_one_process
-        self.mix = nn.Linear(
-            DIM, DIM, bias=False
-        )  # used twice per forward: two fused wgrads, two mark_ready
-        self.head = nn.Linear(DIM, CLASSES)  # 10 outputs: not an MX shape, stays nn.Linear
-
-    def forward(self, x):
-        h = x + self.fc2(F.gelu(self.fc1(x)))
-        return self.head(self.mix(torch.tanh(self.mix(h))))
-
-
 def make_mx_model() -> nn.Module:
-    torch.manual_seed(0)
-    model = convert_to_mxfp8(MLP(), filter=lambda name, m: name in ("fc1", "fc2", "mix"))
+    model = convert_to_mxfp8(
+        seeded(MixMLP, DIM, HIDDEN, CLASSES), filter=lambda name, m: name in ("fc1", "fc2", "mix")
+    )
     assert all(isinstance(m, MXLinear) for m in (model.fc1, model.fc2, model.mix))
     assert not isinstance(model.head, MXLinear)
     return model

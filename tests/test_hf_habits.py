@@ -39,6 +39,7 @@ pytest.importorskip("transformers")
 
 import aligndp  # noqa: E402
 from tests._dist import case, make_tests  # noqa: E402
+from tests.models import rel_error  # noqa: E402
 
 STEPS = 3
 ROWS_PER_RANK = 2
@@ -341,11 +342,6 @@ def run_aligndp(
 
 
 # ---- comparison ----
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| over max |expected| (elementwise error on the param's own scale)."""
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
-
-
 def tied_names(model: nn.Module) -> list[tuple[str, str]]:
     """Pairs of names that are one param (``lm_head.weight`` / ``transformer.wte.weight``)."""
     first: dict[int, str] = {}
@@ -409,7 +405,7 @@ def check_match(
                     f"{name}: {label} moved the zero-gradient part of {n!r} by {moved} > {bound}"
                 )
             a, b = a[~noise], b[~noise]
-        errors[n] = relative_error(a, b)
+        errors[n] = rel_error(a, b)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= REL_TOL, (
         f"{name}: param {worst!r} is {errors[worst]:.3g} relative from torch DDP after {STEPS} "

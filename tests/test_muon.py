@@ -20,78 +20,29 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 
 import aligndp
 from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode
 from tests._dist import case, make_tests
-from tests.test_checkpoint import ckpt  # a directory shared by the ranks of this session
-from tests.test_ddp import VOCAB, batch, loss_of  # the same global batch at every world size
+from tests.models import (
+    BASE,
+    HUGE,
+    ONE_MATRIX,
+    TIED,
+    Shape,
+    assert_replicas_identical,
+    batch,
+    ckpt,
+    fp32_newton_schulz,
+    loss_of,
+    rel_error,
+)
+from tests.models import make_shaped_net as make_net
 
 STEPS = 5
 REL = 1e-5
 MUON_LR, ADAMW_LR = 0.02, 0.01
-
-
-def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """Test reference: torch's quintic Newton–Schulz iteration, in fp32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float().T if grad.size(0) > grad.size(1) else grad.float()  # (short, long)
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
-def fp32_newton_schulz():
-    return mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """Which net to build: odd sizes everywhere (no dim a multiple of 64)."""
-
-    hidden: tuple[int, ...] = (37,)
-    """Widths of the MLP matrices between the 11-wide residual stream."""
-    tied: bool = False
-    mix: bool = True
-    """An 11x11 matrix used twice per forward."""
-
-
-BASE = Shape()
-TIED = Shape(tied=True)
-ONE_MATRIX = Shape(hidden=(), mix=True)  # fewer matrices than ranks
-HUGE = Shape(hidden=(515, 9))  # one matrix far above every other
-
-
-class Net(nn.Module):
-    def __init__(self, shape: Shape):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 11)
-        dims = (11,) + shape.hidden + (11,) if shape.hidden else ()
-        self.mlp = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
-        self.mix = nn.Linear(11, 11, bias=False) if shape.mix else None
-        self.norm = nn.LayerNorm(11)
-        self.head = nn.Linear(11, VOCAB, bias=False)
-        if shape.tied:
-            self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        h = x
-        for i, layer in enumerate(self.mlp):
-            h = layer(h) if i == len(self.mlp) - 1 else torch.tanh(layer(h))
-        x = x + h if self.mlp else x
-        if self.mix is not None:
-            x = self.mix(torch.tanh(self.mix(x)))
-        return self.head(self.norm(x))
-
-
-def make_net(shape: Shape = BASE) -> Net:
-    torch.manual_seed(0)
-    return Net(shape)
 
 
 def backward(model, step: int, rank: int, ws: int, micro_batches: int) -> None:
@@ -123,21 +74,6 @@ class Reference:
         for opt in (self.muon, self.adamw):
             opt.step()
             opt.zero_grad()
-
-
-def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(
-        (actual.detach().float() - expected.detach().float()).norm()
-        / expected.detach().float().norm()
-    )
-
-
-def assert_replicas_identical(model) -> None:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    for r, other in enumerate(gathered[1:], 1):
-        assert torch.equal(other, gathered[0]), f"rank {r}'s params differ from rank 0's"
 
 
 def assert_owners_partition(opt, routing) -> None:
@@ -197,7 +133,7 @@ def _run_against_reference(
         opt.zero_grad()
         ref.step(step)
         opt.gather.wait_all()  # overlap_param_gather: the gather may still be in flight
-        assert_replicas_identical(model)
+        assert_replicas_identical(model.module)
         for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
             err = rel_error(p, q)
             worst = max(worst, err)
@@ -321,7 +257,7 @@ def case_bf16_params_fp32_masters(rank, ws):
         backward(model, step, rank, ws, 1)
         opt.step()
         opt.zero_grad()
-        assert_replicas_identical(model)
+        assert_replicas_identical(model.module)
     for i in muon.owned:
         assert muon.targets[i].dtype == torch.float32 and muon.targets[i] is not muon.params[i]
         assert torch.equal(muon.params[i], muon.targets[i].to(torch.bfloat16))
@@ -351,7 +287,7 @@ def case_bf16_without_masters_bitwise_equal_to_replicated(rank, ws):
             opt.step()
             opt.zero_grad()
         opt.gather.wait_all()
-        assert_replicas_identical(model)
+        assert_replicas_identical(model.module)
         runs[sharding, master_weights] = [p.detach().clone() for p in model.module.parameters()]
         if sharding == "none":
             continue

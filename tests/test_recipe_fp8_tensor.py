@@ -20,6 +20,7 @@ from aligndp.lowp import MXLinear, convert_to_mxfp8, get_backend, recipe_names
 from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
 from aligndp.plan.fused import GradTarget
 from tests._dist import case, make_tests
+from tests.models import MLP
 
 
 def by_hand(t: torch.Tensor) -> torch.Tensor:
@@ -119,22 +120,9 @@ def test_registered_for_every_consumer():
 TOKENS, DIM, HIDDEN = 32, 48, 80
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.head = (
-            nn.Linear(DIM, HIDDEN),
-            nn.Linear(HIDDEN, DIM),
-            nn.Linear(DIM, 5),
-        )
-
-    def forward(self, x):
-        return self.head(self.fc2(F.gelu(self.fc1(x))))
-
-
 def make_net() -> nn.Module:
     torch.manual_seed(0)
-    return convert_to_mxfp8(Net(), backend="fp8-tensor")
+    return convert_to_mxfp8(MLP(DIM, HIDDEN, 5), backend="fp8-tensor")
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,7 @@ def test_gpt_1b_on_meta_has_64_muon_matrices():
 def test_tied_head_detected_by_identity_under_any_name():
     """A tied head named like a hidden layer is still the embedding tensor: AdamW."""
 
-    class Net(nn.Module):
+    class TiedUnderOtherNames(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(10, 4)
@@ -61,7 +61,7 @@ def test_tied_head_detected_by_identity_under_any_name():
             self.decoder = nn.Linear(4, 10, bias=False)
             self.decoder.weight = self.embed.weight
 
-    routing = route_params(Net())
+    routing = route_params(TiedUnderOtherNames())
     assert routing.whole == ("hidden.weight",)
     assert routing.optimizer_of("embed.weight") == "adamw"
 

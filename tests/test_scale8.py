@@ -12,33 +12,29 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import aligndp
 from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode
+from tests import models
 from tests._dist import case, make_tests
-from tests.test_muon import BASE, ONE_MATRIX, VOCAB, fp32_newton_schulz, make_net
+from tests.models import (
+    BASE,
+    ONE_MATRIX,
+    assert_params_match,
+    assert_replicas_identical,
+    fp32_newton_schulz,
+    loss_of,
+)
+from tests.models import make_shaped_net as make_net
 
 GLOBAL_BATCH = 16  # divisible by 8
 STEPS = 3
 
 
 def batch(step: int, rank: int = 0, ws: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank's rows of the global batch of ``step`` (the same global batch at every world size)."""
-    g = torch.Generator().manual_seed(500 + step)
-    idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
-    tgt = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
-    rows = slice(rank * GLOBAL_BATCH // ws, (rank + 1) * GLOBAL_BATCH // ws)
-    return idx[rows], tgt[rows]
-
-
-def loss_of(model, idx, tgt) -> torch.Tensor:
-    return F.cross_entropy(model(idx).reshape(-1, VOCAB), tgt.reshape(-1))
-
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).norm() / b.detach().norm().clamp(min=1e-12))
+    """Rank's rows of the global batch of ``step``: 16 rows, divisible by 8."""
+    return models.batch(step, rank, ws, rows=GLOBAL_BATCH, seed=500)
 
 
 def compare_with_one_process(model, opt, ref, ref_opts, *, rel: float, what: str) -> None:
@@ -51,15 +47,8 @@ def compare_with_one_process(model, opt, ref, ref_opts, *, rel: float, what: str
         for ref_opt in ref_opts:
             ref_opt.step()
             ref_opt.zero_grad()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
-        every = [torch.empty_like(flat) for _ in range(ws)]
-        dist.all_gather(every, flat)
-        assert all(torch.equal(every[0], f) for f in every[1:]), (
-            f"{what} step {step}: replicas differ"
-        )
-        for (n, p), q in zip(model.module.named_parameters(), ref.parameters()):
-            err = rel_error(p, q)
-            assert err <= rel, f"{what} step {step} {n}: relative error {err:.2e} > {rel}"
+        assert_replicas_identical(model.module, f"{what} step {step}")
+        assert_params_match(model.module, ref, f"{what} step {step}", rel)
 
 
 @case(8)

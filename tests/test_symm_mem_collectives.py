@@ -32,7 +32,7 @@ from aligndp.plan.spec import Mode
 from aligndp.runtime.collective_backends import make_collectives
 from aligndp.runtime.collectives import shard_of
 from tests._dist import case, make_tests
-from tests.test_ddp import batch, loss_of, make_net
+from tests.models import batch, loss_of, make_net
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # as when a benchmark script runs: its folder is importable

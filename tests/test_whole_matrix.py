@@ -26,8 +26,9 @@ from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode, ParamSpec
 from aligndp.state.model_space import FlatPiece, torch_state_to_model_space
 from tests._dist import case, make_tests
-from tests.test_checkpoint import ckpt
-from tests.test_ddp import VOCAB, batch, loss_of
+from tests.models import WHOLE_MATRICES as WHOLE
+from tests.models import assert_close, assert_params_match, batch, ckpt, loss_of
+from tests.models import make_whole_matrix_net as make_net
 
 LR, ADAMW_LR, EPS = 0.05, 0.01, 0.5
 STEPS, SAVED_AT = 4, 2
@@ -70,35 +71,6 @@ SPEC = aligndp.WholeMatrixSpec(OneSidedShampoo, cost=onesided_cost, options=("lr
 aligndp.register_whole_matrix("onesided", SPEC)
 # the same optimizer stepped once over every owned matrix instead of bucket by bucket
 aligndp.register_whole_matrix("onesided-once", dataclasses.replace(SPEC, step_per_bucket=False))
-
-
-class Net(nn.Module):
-    """Odd shapes; ``mix`` is 8×8, so its 8×8 preconditioner has the param's numel."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8)
-        self.up = nn.Linear(8, 37)
-        self.down = nn.Linear(37, 8)
-        self.mix = nn.Linear(8, 8, bias=False)
-        self.side = nn.Linear(8, 13, bias=False)
-        self.back = nn.Linear(13, 8, bias=False)
-        self.norm = nn.LayerNorm(8)
-        self.head = nn.Linear(8, VOCAB, bias=False)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        x = x + self.down(torch.tanh(self.up(x)))
-        x = x + self.back(torch.tanh(self.side(self.mix(x))))
-        return self.head(self.norm(x))
-
-
-WHOLE = ("up.weight", "down.weight", "mix.weight", "side.weight", "back.weight")
-
-
-def make_net() -> Net:
-    torch.manual_seed(0)
-    return Net()
 
 
 class Reference:
@@ -144,9 +116,7 @@ def train(model, opt, steps: range) -> None:
 
 
 def assert_matches(model, ref: Reference, what: str) -> None:
-    for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
-        err = float((p.detach() - q.detach()).norm() / q.detach().norm())
-        assert err <= REL, f"{what}: {n} relative error {err:.2e} > {REL}"
+    assert_params_match(model.module, ref.net, what, REL)
 
 
 # ---- pure: registration and the owner cost ----
@@ -227,7 +197,7 @@ def case_matches_one_process(rank, ws):
         named = dict(ref.net.named_parameters())
         for n in mine:  # the owner's state is the one-process optimizer's
             a, b = part.state_of(n)["precond"], ref.opts[0].state[named[n]]["precond"]
-            assert a.shape == b.shape and float((a - b).norm() / b.norm()) <= REL, n
+            assert_close(a, b, f"{n} precond", REL)
 
 
 @case(2)

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 import aligndp
 from tests._dist import case, make_tests
-from tests.test_checkpoint import ckpt
-from tests.test_ddp import batch, loss_of
-from tests.test_whole_matrix import ADAMW_LR, WHOLE, make_net
+from tests.models import WHOLE_MATRICES as WHOLE
+from tests.models import batch, ckpt, loss_of
+from tests.models import make_whole_matrix_net as make_net
+from tests.test_whole_matrix import ADAMW_LR
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 

@@ -15,32 +15,10 @@ from aligndp.optim.sharded import ShardedOptimizer, check_elementwise, owned_seg
 from aligndp.plan.layout import plan_layout
 from aligndp.plan.spec import Mode, ParamSpec
 from tests._dist import case, make_tests
-from tests.test_ddp import batch, loss_of, make_net
+from tests.models import assert_params_match, assert_replicas_identical, batch, loss_of, make_net
 
-RTOL = 1e-6  # fp32; see assert_rel
+RTOL = 1e-6  # fp32
 STEPS = 5
-
-
-def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |a - e| / max |e| over the tensor: one number per param, robust to elements near 0."""
-    return float(
-        (actual.float() - expected.float()).abs().max()
-        / expected.float().abs().max().clamp_min(1e-12)
-    )
-
-
-def assert_rel(model: nn.Module, ref: nn.Module, what: str, rtol: float = RTOL) -> None:
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        err = max_rel_error(p, q)
-        assert err <= rtol, f"{what} {n}: max rel error {err:.3g} > {rtol}"
-
-
-def assert_replicas_identical(model: nn.Module) -> None:
-    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    for other in gathered[1:]:
-        assert torch.equal(other, gathered[0]), "replicas differ"
 
 
 def train_and_compare(
@@ -95,7 +73,7 @@ def train_and_compare(
         ref_opt.step()
         ref_opt.zero_grad()
         assert_replicas_identical(model.module)
-        assert_rel(model.module, ref, f"step {step}", rtol)
+        assert_params_match(model.module, ref, f"step {step}", rtol)
 
 
 @case(2, 3, 4)
@@ -330,7 +308,7 @@ def case_fewer_params_than_ranks(rank, ws):
         ref_opt.step()
         ref_opt.zero_grad()
         assert_replicas_identical(model.module)
-        assert_rel(model.module, ref, "tiny")
+        assert_params_match(model.module, ref, "tiny", RTOL)
 
 
 @case(2)
