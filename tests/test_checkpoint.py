@@ -172,14 +172,21 @@ def case_bf16_without_masters_resume(rank, ws):
             assert torch.equal(p, q), f"{what}: {n} differs after resuming"
 
 
-@case(2)
-def case_failed_save_keeps_previous_checkpoint(rank, ws):
-    path = ckpt("interrupted")
+def saved_then_trained(path: str):
+    """A model and optimizer saved at ``path`` after one step (its params returned), then
+    stepped once more."""
     model, opt = build("zero1", 200)
     train(model, opt, range(1))
     aligndp.save(path, model, opt, step=1)
     saved = [p.detach().clone() for p in model.module.parameters()]
     train(model, opt, range(1, 2))
+    return model, opt, saved
+
+
+@case(2)
+def case_failed_save_keeps_previous_checkpoint(rank, ws):
+    path = ckpt("interrupted")
+    model, opt, saved = saved_then_trained(path)
     original = dcp.FileSystemWriter.write_data
 
     def broken(self, plan, planner):
@@ -338,11 +345,7 @@ def case_load_after_a_save_died_between_its_renames(rank, ws):
     """A save killed after moving the old checkpoint aside (``<path>.old``) and before renaming
     the new one into place: load falls back to the previous checkpoint; the next save cleans up."""
     path = ckpt("died")
-    model, opt = build("zero1", 200)
-    train(model, opt, range(1))
-    aligndp.save(path, model, opt, step=1)
-    saved = [p.detach().clone() for p in model.module.parameters()]
-    train(model, opt, range(1, 2))
+    model, opt, saved = saved_then_trained(path)
 
     class Killed(BaseException):
         pass
