@@ -12,6 +12,7 @@ reduction order into ~1e-4 relative differences (tests/test_muon.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -90,7 +91,10 @@ class TorchDDP:
         if mode.startswith("muon"):
             routing = route_params(net)
             parts = [
-                (torch.optim.Muon, set(routing.whole)),
+                (
+                    functools.partial(torch.optim.Muon, adjust_lr_fn="match_rms_adamw"),
+                    set(routing.whole),
+                ),
                 (torch.optim.AdamW, set(routing.adamw)),
             ]
         else:

@@ -63,7 +63,9 @@ class Reference:
         self.net = make_net(shape)
         routing = route_params(self.net)
         named = dict(self.net.named_parameters())
-        self.muon = torch.optim.Muon([named[n] for n in routing.whole], lr=MUON_LR)
+        self.muon = torch.optim.Muon(
+            [named[n] for n in routing.whole], lr=MUON_LR, adjust_lr_fn="match_rms_adamw"
+        )
         self.adamw = torch.optim.AdamW([named[n] for n in routing.adamw], lr=ADAMW_LR)
         self.max_grad_norm = max_grad_norm
 

@@ -111,7 +111,9 @@ def case_layerwise_muon(rank, ws):
             routing = route_params(ref)
             named = dict(ref.named_parameters())
             ref_opts = [
-                torch.optim.Muon([named[n] for n in routing.whole], lr=0.02),
+                torch.optim.Muon(
+                    [named[n] for n in routing.whole], lr=0.02, adjust_lr_fn="match_rms_adamw"
+                ),
                 torch.optim.AdamW([named[n] for n in routing.adamw], lr=0.01),
             ]
             compare_with_one_process(model, opt, ref, ref_opts, rel=1e-5, what=f"muon {shape}")

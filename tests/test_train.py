@@ -204,7 +204,7 @@ def test_sharded_muon_on_two_ranks_matches_one_process(tmp_path):
     steps (a forward while the param all-gather may be pending), against replicated Muon in
     one process. Tolerance 1e-4: Newton-Schulz amplifies the fp32 rounding differences of the
     reduced gradient (seen: 1.5e-5 relative)."""
-    muon = [*COMMON, "--optimizer", "muon", "--lr", "0.01"]
+    muon = [*COMMON, "--optimizer", "muon"]  # the default lr serves Muon and AdamW
     assert _train([*muon, "--nproc", "1"], tmp_path / "one") == 0
     assert (
         _train(

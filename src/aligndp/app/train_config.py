@@ -46,7 +46,8 @@ class TrainConfig:
     wgrad: Wgrad = "none"
     """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer."""
     lr: float = 3e-3
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it); with
+    --optimizer muon the one lr of Muon and AdamW (Muon's update scaled to AdamW's RMS)."""
     seed: int = 0
     """Seeds the model's initialisation and the order of the data."""
     nproc: int = 2
