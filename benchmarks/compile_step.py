@@ -237,33 +237,27 @@ def compile_section(ctx) -> list[Row]:
         f"dp {dist.get_world_size()}, plain torch compiled "
         f"{result['torch.compiled']['ms_per_step']:.2f} ms"
     )
+    # key -> (aligndp variant, figure, what the peer is)
+    rows = {
+        "compile.vs_torch_ddp": ("aligndp_none", "ms_per_step", "torch DDP + compile, ms"),
+        "compile.blocks_vs_torch_ddp": (
+            "aligndp_none_blocks",
+            "ms_per_step",
+            "torch DDP + compile, ms",
+        ),
+        "compile.hooks_ms": ("aligndp_none", "hook_host_ms_per_step", "torch DDP's reducer, ms"),
+    }
     return [
         Row(
-            "compile.vs_torch_ddp",
-            result["aligndp_none.compiled"]["ms_per_step"],
+            key,
+            result[f"{variant}.compiled"][figure],
             "ms",
-            peer["ms_per_step"],
-            "torch DDP + compile, ms",
+            peer[figure],
+            peer_what,
             Goal("<=", 1.0, "ratio"),
             note=note,
-        ),
-        Row(
-            "compile.blocks_vs_torch_ddp",
-            result["aligndp_none_blocks.compiled"]["ms_per_step"],
-            "ms",
-            peer["ms_per_step"],
-            "torch DDP + compile, ms",
-            Goal("<=", 1.0, "ratio"),
-            note=note,
-        ),
-        Row(
-            "compile.hooks_ms",
-            result["aligndp_none.compiled"]["hook_host_ms_per_step"],
-            "ms",
-            peer["hook_host_ms_per_step"],
-            "torch DDP's reducer, ms",
-            Goal("<=", 1.0, "ratio"),
-        ),
+        )
+        for key, (variant, figure, peer_what) in rows.items()
     ]
 
 

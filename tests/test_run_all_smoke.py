@@ -38,8 +38,12 @@ EXPECTED = [
     "mx.wgrad_fp8",
     "mx.quantise_fp8",
     "mx.quantise_mxfp8",
+    "fp8.tensor_compile.vs_torchao",
+    "fp8.tensor_compile.vs_bf16",
+    "fp8.blockwise_compile.vs_bf16",
 ]
 GPU_ONLY = [
+    *EXPECTED[-3:],
     "compile.vs_torch_ddp",
     "compile.blocks_vs_torch_ddp",
     "compile.hooks_ms",

@@ -23,6 +23,7 @@ __all__ = ["TrainConfig", "add_arguments", "config_from_args"]
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
 Wgrad = Literal[recipe_names()]  # the recipes registered at import (aligndp.lowp.recipes)
+WgradLayers = Literal["pays", "all"]
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16"]
 
@@ -45,6 +46,10 @@ class TrainConfig:
     """none: replicated optimizer state (all-reduce); zero1: optimizer state sharded over ranks."""
     wgrad: Wgrad = "none"
     """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer."""
+    wgrad_layers: WgradLayers = "pays"
+    """Which Linear layers --wgrad converts: pays (those whose GEMMs gain from FP8 on this GPU;
+    none on a device without the format's fast path, e.g. a CPU) or all (every layer the
+    recipe can run: a correctness path where it is emulated)."""
     lr: float = 3e-3
     """Peak learning rate (linear warm-up, then cosine decay to a tenth of it); with
     --optimizer muon the one lr of Muon and AdamW (Muon's update scaled to AdamW's RMS)."""
