@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default gpt2-small")
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"])
     ap.add_argument("--batch", type=int, default=None, help="sequences per rank (default 8)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per round (default 8)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before timing (default 3)")
     ap.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 5)")
@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("preset", "gpt2-small", "demo"),
         ("device", "cuda", "cpu"),
         ("batch", 8, 2),
-        ("rounds", 4, 1),
+        ("rounds", 3, 1),
         ("steps", 8, 2),
         ("warmup", 3, 1),
         ("profile_steps", 5, 1),

@@ -70,8 +70,8 @@ class GradSync(Reduction):
             {ref: self._spans(ref) for ref in self.bucket_refs} if self.config.check_finite else {}
         )
         self._works: dict[BucketRef, Work | None] = {}
-        self._waiting_after_reduction: list[float] = []
-        self._waiting: list[float] = []
+        self._waiting_after_reduction: list[int] = []
+        self._waiting: list[int] = []
         self._next_launch = 0
         self._launched_in_backward = 0
         self._sync_enabled = True

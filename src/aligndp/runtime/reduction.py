@@ -27,15 +27,11 @@ class Reduction:
     """Readiness, bucket collectives and ``finish_grad_sync`` (ACCUMULATING -> REDUCED)."""
 
     # ---- readiness and collectives ----
-    def _waiting_counts(self) -> list[float]:
-        """Per launch position, how many of the bucket's params have yet to fire as often as
-        in the last synchronised backward; a bucket holding a param that had no gradient then
-        never counts down (it waits for the end of backward)."""
-        assert self._expected is not None
-        return [
-            len(ps) if all(self._expected[p] > 0 for p in ps) else float("inf")
-            for ps in (self._bucket_params[ref] for ref in self.bucket_refs)
-        ]
+    def _waiting_counts(self) -> list[int]:
+        """Per launch position, the bucket's params: each counts down once, when it has fired
+        as often as in the last synchronised backward (``_arrived``). A param that had no
+        gradient then never counts down, so its bucket waits for the end of backward."""
+        return [len(self._bucket_params[ref]) for ref in self.bucket_refs]
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.bucket_refs) and not self._waiting[self._next_launch]:
