@@ -7,8 +7,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (Hopper) for the Triton backends", allow_module_level=True)
 
-from aligndp.lowp import MXLinear, quantize_mxfp8  # noqa: E402
-from aligndp.lowp.backends import ReferenceBackend, get_backend  # noqa: E402
+from aligndp.lowp import MXLinear, get_backend, get_recipe, quantize_mxfp8  # noqa: E402
+from aligndp.lowp.backends import ReferenceBackend  # noqa: E402
 from aligndp.lowp.recipe import ScaleFormat  # noqa: E402
 from aligndp.plan.fused import GradTarget  # noqa: E402
 
@@ -103,7 +103,7 @@ def test_wgrad_accumulates_in_place(backend, grad_dtype, fresh):
     exact = start + 2 * (dy.float().T @ x.float())
     assert not buffer[:256].any() and not buffer[256 + 384 * 256 :].any()
     if backend == "triton":
-        ref = start + 2 * ReferenceBackend().wgrad(dy, x)
+        ref = start + 2 * ReferenceBackend(get_recipe("mxfp8")).wgrad(dy, x)
         tol = 1e-5 if grad_dtype == torch.float32 else 4e-3
         assert rel_err(view, ref) < tol
     assert rel_err(view, exact) < 0.06

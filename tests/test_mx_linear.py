@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aligndp.lowp import MXLinear, convert_to_mxfp8
-from aligndp.lowp.backends import get_backend
+from aligndp.lowp import MXLinear, convert_to_mxfp8, get_backend, get_recipe
 from aligndp.lowp.recipes import wgrad_requirements
 from aligndp.models.gpt import GPT, PRESETS, GPTConfig
 from aligndp.plan.fused import FusedWgradModule, GradTarget, fused_wgrad_modules
@@ -174,7 +173,7 @@ def test_backend_operands_saved_on_ctx_are_used_once():
             return super().backward(saved[1], grad_out, weight, **kw)
 
     lin, mxl = make()
-    own = MXLinear.from_linear(copy.deepcopy(lin), backend=OwnOperands())
+    own = MXLinear.from_linear(copy.deepcopy(lin), backend=OwnOperands(get_recipe("mxfp8")))
     x = torch.randn(3, 20, 64)
     mxl(x).sin().sum().backward()
     y = own(x)

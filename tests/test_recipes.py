@@ -187,3 +187,5 @@ def test_registry_refuses_clashes_and_incomplete_recipes(fake):
         register_recipe("test-fake")
     with pytest.raises(ValueError, match="implements"):  # E8M0-only reference vs fp32 scales
         get_backend("fake-reference").__class__(get_recipe("fp8"))
+    with pytest.raises(TypeError, match="is built for a Recipe, got 'mxfp8'.*get_backend"):
+        ReferenceBackend("mxfp8")  # backends know no registry: a name is resolved by get_backend

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from aligndp.lowp.backends import WgradBackend, get_backend
+from aligndp.lowp.backends import WgradBackend
+from aligndp.lowp.recipes import get_backend
 from aligndp.plan.fused import GradSink
 from aligndp.plan.spec import Requirement
 

@@ -24,7 +24,7 @@ import torch
 __all__ = ["QuantizedOperand"]
 
 try:  # the faster kernels need Gluon's Hopper module (Triton 3.6)
-    from aligndp.lowp import gluon_kernels as _gluon
+    import aligndp.lowp.gluon_kernels as _gluon
 except (ImportError, AttributeError):  # no Gluon, or one whose API moved
     _gluon = None
 
