@@ -226,6 +226,33 @@ def test_mxfp8_wgrad_stays_close_to_fp32(one_rank, tmp_path):
     assert 1e-4 < max(gaps) < 0.03, gaps
 
 
+def test_recipe_registered_at_runtime_trains_on_launched_ranks(two_ranks, tmp_path):
+    """Regression (issue 25): ``--wgrad`` took only the recipes registered when the CLI module
+    was imported, and the launched ranks (fresh interpreters) would not know one registered by
+    the caller. A copy of mxfp8 under another name, registered here, must parse, reach both
+    ranks and move the curve as mxfp8 does (MX GEMMs used: above fp32 noise; still training)."""
+    import dataclasses
+
+    from aligndp.lowp import BackendRef, get_recipe, registered_recipe
+
+    mine = dataclasses.replace(
+        get_recipe("mxfp8"),
+        name="runtime-mx",
+        backends=(
+            BackendRef("runtime-mx-reference", "aligndp.lowp.backends:ReferenceBackend", ("cpu",)),
+        ),
+    )
+    with registered_recipe(mine):
+        assert TrainConfig(wgrad="runtime-mx").wgrad == "runtime-mx"
+        args = [*COMMON, "--wgrad", "runtime-mx", "--nproc", "2", "--micro-batches", "2"]
+        assert _train(args, tmp_path) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["wgrad"] == "runtime-mx"
+    gaps = [abs(a - b) for a, b in zip(_losses(tmp_path), _losses(two_ranks))]
+    assert 1e-4 < max(gaps) < 0.03, gaps
+    with pytest.raises(ValueError, match="--wgrad 'runtime-mx' is not one of"):
+        TrainConfig(wgrad="runtime-mx")  # unregistered again
+
+
 def test_engine_not_implemented_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """An option combination the engine does not build yet raises NotImplementedError inside
     the ranks; the job reports it as one line, exit 2 (as for any bad input)."""

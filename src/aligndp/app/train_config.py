@@ -22,7 +22,6 @@ __all__ = ["TrainConfig", "add_arguments", "config_from_args"]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
-Wgrad = Literal[recipe_names()]  # the recipes registered at import (aligndp.lowp.recipes)
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16"]
 
@@ -43,8 +42,9 @@ class TrainConfig:
     """Optimizer that aligndp.parallelize builds."""
     sharding: Sharding = "none"
     """none: replicated optimizer state (all-reduce); zero1: optimizer state sharded over ranks."""
-    wgrad: Wgrad = "none"
-    """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer."""
+    wgrad: str = "none"
+    """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer: a wgrad
+    recipe registered when the flags are read (aligndp.register_recipe adds one)."""
     lr: float = 3e-3
     """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
     seed: int = 0
@@ -104,7 +104,7 @@ class TrainConfig:
             )
         hints = typing.get_type_hints(TrainConfig)
         for field in dataclasses.fields(self):
-            choices = _choices(hints[field.name])
+            choices = _choices(field.name, hints[field.name])
             if choices and getattr(self, field.name) not in choices:
                 raise ValueError(
                     f"--{_flag(field.name)} {getattr(self, field.name)!r} is not one of "
@@ -127,7 +127,15 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _choices(hint: object) -> tuple[str, ...]:
+RUNTIME_CHOICES = {"wgrad": recipe_names}
+"""Fields whose choices are read when asked, not at import: a recipe registered at runtime
+(``aligndp.register_recipe``) is a valid ``--wgrad``, as it is for ``parallelize`` and
+``aligndp layout``."""
+
+
+def _choices(name: str, hint: object) -> tuple[str, ...]:
+    if name in RUNTIME_CHOICES:
+        return tuple(RUNTIME_CHOICES[name]())
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
@@ -164,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if hint is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
-        choices = _choices(hint)
+        choices = _choices(field.name, hint)
         if choices:
             kind = str
         else:
