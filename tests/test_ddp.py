@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 
@@ -13,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aligndp
+from aligndp.runtime.collective_backends import register_collectives
+from aligndp.runtime.collectives import TorchCollectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from tests._dist import case, make_tests
 from tests.models import VOCAB, NetWithBuffers, assert_close, batch, loss_of, make_net
@@ -262,45 +263,34 @@ def case_bad_input(rank, ws):
 # ---- guards against breaks that once passed the whole suite (issue 16) ----
 
 
-@contextlib.contextmanager
-def counting_collectives():
-    """Count every gradient/param collective launched through torch.distributed meanwhile.
+class LaunchCounting(TorchCollectives):
+    """Records every collective launched through the collectives seam (the buckets' mean
+    reductions and gathers, and the blocking sums of the agreement)."""
 
-    Wraps the torch.distributed functions aligndp's collectives call (and the aliases
-    aligndp.runtime.collectives captured at import), so a launch is counted whichever code
-    path makes it.
-    """
-    import aligndp.runtime.collectives as collectives
+    name = "launch-counting"
 
-    calls: list[str] = []
-    targets = [
-        (dist, n)
-        for n in (
-            "all_reduce",
-            "reduce_scatter_tensor",
-            "all_gather_into_tensor",
-            "reduce_scatter_single",
-            "all_gather_single",
-            "broadcast",
-        )
-    ]
-    targets += [(collectives, n) for n in ("_reduce_scatter", "_all_gather")]
-    saved = [(obj, n, getattr(obj, n)) for obj, n in targets if hasattr(obj, n)]
+    def __init__(self, group) -> None:
+        super().__init__(group)
+        self.calls: list[str] = []
 
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name if kwargs.get("async_op") else f"{name}(blocking)")
-            return fn(*args, **kwargs)
+    def all_reduce_mean(self, bucket):
+        self.calls.append("all_reduce_mean")
+        return super().all_reduce_mean(bucket)
 
-        return wrapper
+    def reduce_scatter_mean(self, bucket):
+        self.calls.append("reduce_scatter_mean")
+        return super().reduce_scatter_mean(bucket)
 
-    for obj, n, fn in saved:
-        setattr(obj, n, counted(n, fn))
-    try:
-        yield calls
-    finally:
-        for obj, n, fn in saved:
-            setattr(obj, n, fn)
+    def all_gather_shards(self, bucket):
+        self.calls.append("all_gather_shards")
+        return super().all_gather_shards(bucket)
+
+    def all_reduce_sum(self, tensor):
+        self.calls.append("all_reduce_sum(blocking)")
+        super().all_reduce_sum(tensor)
+
+
+register_collectives("launch-counting", LaunchCounting)
 
 
 def micro_batches(step: int, rank: int, ws: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -323,7 +313,10 @@ def case_no_sync_after_readiness_is_learned_launches_nothing(rank, ws):
     collectives: none inside no_sync, and the accumulated grads reduced once after."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200))
+    ours = DataParallel(
+        make_net(), config=DDPConfig(bucket_numel=200, collectives="launch-counting")
+    )
+    calls = ours.collectives.calls
     theirs = nn.parallel.DistributedDataParallel(make_net(), bucket_cap_mb=0.001)
     their_calls = [0]
 
@@ -347,23 +340,23 @@ def case_no_sync_after_readiness_is_learned_launches_nothing(rank, ws):
         assert their_calls[0] == before, (
             "reference check: torch DDP launches nothing inside no_sync"
         )
-        with counting_collectives() as calls:
-            with ours.no_sync():
-                (wa * loss_of(ours, xa, ya)).backward()
+        calls.clear()
+        with ours.no_sync():
+            (wa * loss_of(ours, xa, ya)).backward()
         assert not calls, (
             f"micro-batch {i} under no_sync launched collectives after readiness was learned: "
             f"{calls}"
         )
     (w * loss_of(theirs, x, y)).backward()
     assert their_calls[0] > 0
-    with counting_collectives() as calls:
-        (w * loss_of(ours, x, y)).backward()
-        ours.finish_grad_sync()
+    calls.clear()
+    (w * loss_of(ours, x, y)).backward()
+    ours.finish_grad_sync()
     bucket_calls = [c for c in calls if not c.endswith("(blocking)")]
     assert len(bucket_calls) == num_buckets, (
         f"{len(bucket_calls)} collectives for {num_buckets} buckets: {calls}"
     )
-    assert calls.count("all_reduce(blocking)") == 1, (
+    assert calls.count("all_reduce_sum(blocking)") == 1, (
         f"one agreement all-reduce per reduction: {calls}"
     )
     for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):

@@ -18,7 +18,6 @@ import datetime
 import gc
 import math
 import time
-from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aligndp
+from aligndp.runtime.collective_backends import register_collectives
+from aligndp.runtime.collectives import TorchCollectives
 from tests._dist import case, make_tests
 from tests._habits_models import (
     LR,
@@ -868,43 +869,47 @@ def case_nonfinite_on_one_rank_raises_on_every_rank_naming_param_and_rank(rank, 
 # ---- overlap_param_gather ----
 
 
-@contextlib.contextmanager
-def slow_param_gathers():
-    """Every param all-gather lands in its output only when waited for: a slow network, made
-    deterministic, so a missing wait reads stale weights every time (FSDP2's delay injection)."""
-    import aligndp.runtime.collectives as collectives
+class LateGathers(TorchCollectives):
+    """Every param all-gather lands in its bucket only when waited for: a slow network, made
+    deterministic, so a missing wait reads stale weights every time (FSDP2's delay injection).
+    Registered through the collectives seam as ``"late-gathers"``."""
 
-    real = collectives._all_gather
+    name = "late-gathers"
 
-    class Late:
-        def __init__(self, output: torch.Tensor, staged: torch.Tensor) -> None:
-            self.output, self.staged = output, staged
+    def __init__(self, group) -> None:
+        super().__init__(group)
+        self.gathers = 0
 
-        def wait(self, *args, **kwargs) -> bool:
-            self.output.copy_(self.staged)
-            return True
+    def all_gather_shards(self, bucket: torch.Tensor):
+        self.gathers += 1
+        staged = bucket.clone()  # this rank's shard as it is now
+        super().all_gather_shards(staged).wait()
+        return _Late(bucket, staged)
 
-        def is_completed(self) -> bool:
-            return False
 
-    calls = []
+class _Late:
+    """The handle of a gather that writes its bucket when waited for."""
 
-    def delayed(output, input, group=None, async_op=False):
-        calls.append(output.numel())
-        staged = torch.empty_like(output)
-        real(staged, input.clone(), group=group, async_op=False)
-        late = Late(output, staged)
-        if async_op:
-            return late
-        late.wait()
-        return None
+    def __init__(self, bucket: torch.Tensor, staged: torch.Tensor) -> None:
+        self.bucket, self.staged = bucket, staged
 
-    with mock.patch.object(collectives, "_all_gather", delayed):
-        yield
-    assert calls, (
-        "no param all-gather went through aligndp.runtime.collectives._all_gather: the delay was "
-        "not injected"
+    def wait(self, *args, **kwargs) -> bool:
+        self.bucket.copy_(self.staged)
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+register_collectives("late-gathers", LateGathers)
+
+
+def late(model):
+    """``model``'s LateGathers backend, after checking the gathers went through it."""
+    assert isinstance(model.collectives, LateGathers) and model.collectives.gathers, (
+        "no param all-gather went through the late-gathers backend: the delay was not injected"
     )
+    return model
 
 
 @case(2, 3)
@@ -912,17 +917,19 @@ def case_overlap_param_gather_state_dict_waits_for_the_gather(rank, ws):
     """Row ``overlap_param_gather=True``: after the last ``step()`` a gather is still in flight;
     ``model.module.state_dict()`` (and so save_pretrained) right after it must wait for it.
     Was: stale weights. Compared with the non-overlapped run, bit for bit."""
-    with slow_param_gathers():
-        runs = {}
-        for overlap in (False, True):
-            model, opt = wrap(make_net(), "zero1", overlap_param_gather=overlap)
-            states = []
-            for step in range(3):
-                backward_on(model, step, rank, ws)
-                opt.step()
-                opt.zero_grad()
-                states.append({k: v.clone() for k, v in model.module.state_dict().items()})
-            runs[overlap] = states
+    runs = {}
+    for overlap in (False, True):
+        model, opt = wrap(
+            make_net(), "zero1", overlap_param_gather=overlap, collectives="late-gathers"
+        )
+        states = []
+        for step in range(3):
+            backward_on(model, step, rank, ws)
+            opt.step()
+            opt.zero_grad()
+            states.append({k: v.clone() for k, v in model.module.state_dict().items()})
+        runs[overlap] = states
+        late(model)
     for step, (plain, overlapped) in enumerate(zip(runs[False], runs[True])):
         for k in plain:
             assert torch.equal(plain[k], overlapped[k]), (
@@ -937,31 +944,31 @@ def case_weight_read_outside_its_module_with_overlap_param_gather_raises(rank, w
     backward of that step (or, where the ranks' agreement is read without a host sync, of the
     next one) raises RuntimeError on every rank naming the param and
     ``overlap_param_gather=False``; without overlap the same model matches torch DDP."""
-    with slow_param_gathers():
-        model, opt = wrap(seeded(HeadReadNet), "zero1", overlap_param_gather=True)
-        backward_on(model, 0, rank, ws)
+    model, opt = wrap(
+        seeded(HeadReadNet), "zero1", overlap_param_gather=True, collectives="late-gathers"
+    )
+    backward_on(model, 0, rank, ws)
+    opt.step()
+    opt.zero_grad()
+    error = None
+    for step in (1, 2):  # at the end of that backward, or (deferred agreement) of the next one
+        try:
+            backward_on(model, step, rank, ws)
+        except RuntimeError as e:
+            error = e
+            break
         opt.step()
         opt.zero_grad()
-        error = None
-        for step in (1, 2):  # at the end of that backward, or (deferred agreement) of the next one
-            try:
-                backward_on(model, step, rank, ws)
-            except RuntimeError as e:
-                error = e
-                break
-            opt.step()
-            opt.zero_grad()
-        assert error is not None, (
-            "a forward that read head.weight before its gather landed passed silently"
-        )
-        assert "head.weight" in str(error) and "overlap_param_gather=False" in str(error), str(
-            error
-        )
-        opt.zero_grad()
-        model, opt = wrap(seeded(HeadReadNet), "zero1", overlap_param_gather=False)
-        ref = TorchDDP(seeded(HeadReadNet), "zero1")
-        for step in range(3):
-            train_step_both(model, opt, ref, step, rank, ws, f"step {step}")
+    assert error is not None, (
+        "a forward that read head.weight before its gather landed passed silently"
+    )
+    late(model)
+    assert "head.weight" in str(error) and "overlap_param_gather=False" in str(error), str(error)
+    opt.zero_grad()
+    model, opt = wrap(seeded(HeadReadNet), "zero1", overlap_param_gather=False)
+    ref = TorchDDP(seeded(HeadReadNet), "zero1")
+    for step in range(3):
+        train_step_both(model, opt, ref, step, rank, ws, f"step {step}")
 
 
 # ---- uneven inputs (last: a failure here may leave the process group out of step) ----
