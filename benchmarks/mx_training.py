@@ -37,8 +37,9 @@ def build(
 ):
     module = build_gpt(preset, device, torch.float32, seed=seed)
     backend = wgrad_backend(TrainConfig(wgrad=wgrad, device=device.type))
-    if backend is not None:  # the recipe converts layers (not "none")
-        convert_to_mxfp8(module, backend=backend)
+    if backend is not None:  # the recipe converts layers (not "none"): every one it can run,
+        # whether or not it pays (benchmarks/fp8_step.py measures the default layer rule)
+        convert_to_mxfp8(module, backend=backend, layers="all")
     return aligndp.parallelize(
         module,
         optimizer="adamw",

@@ -1,14 +1,16 @@
 """Every figure of issue 14 beside its peer, measured in one run, as one table.
 
-GPU (2 GPUs; the figures we report; about 3-5 minutes with the 1b preset):
+GPU (2 GPUs; the figures we report; about 3-5 minutes with the 1b preset, plus 2-4 for issue
+23's FP8 rows, which compile three 1b models on rank 0; --skip-fp8-step leaves them out):
     PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/run_all.py --out DIR
 CPU smoke run (gloo, the demo preset, seconds; starts its own 2 ranks when not under torchrun):
     python benchmarks/run_all.py --smoke --out DIR
 
 Each row: figure, the peer measured in the same run, figure / peer, the issue's goal, met.
 The measuring code is the single benchmarks' own (``ddp_step``, ``zero1_step``, ``muon_step``,
-``mx_training``, ``mx_kernels``), imported; this script only orders the sections, runs the
-one-GPU sections side by side (rank 0: MX training steps, the last rank: MX kernels) and
+``mx_training``, ``mx_kernels``, ``fp8_step``), imported; this script only orders the
+sections, runs the one-GPU sections side by side (rank 0: MX training steps and issue 23's
+FP8 steps against torchao and bf16, the last rank: MX kernels) and
 writes ``run_all.jsonl`` (an ``env`` object, then one object per row) and ``run_all.md`` to
 ``--out``, rewritten after every section so a run cut short still leaves what it measured.
 A row that could not be measured is still printed, with the reason (``skipped: ...``).
@@ -146,7 +148,9 @@ def run(args: argparse.Namespace) -> None:
     ]
     if args.skip_muon:
         sections[-1] = (lambda: [Row("muon.step", skipped="--skip-muon")], ["muon.step"])
-    sections.append((lambda: one_gpu_sections(ctx, solo), [k for k in ROWS if k.startswith("mx.")]))
+    sections.append(
+        (lambda: one_gpu_sections(ctx, solo), [k for k in ROWS if k.startswith(("mx.", "fp8."))])
+    )
     for fn, keys in sections:
         t0 = time.perf_counter()
         new = guarded(fn, keys)
@@ -257,6 +261,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--kernel-size", type=int, default=8192, help="M = N = K of the MX kernel rows")
     ap.add_argument("--skip-muon", action="store_true", help="leave out the layer-wise Muon row")
+    ap.add_argument(
+        "--skip-fp8-step",
+        action="store_true",
+        help="leave out issue 23's FP8 rows (three compiled 1b models on rank 0: minutes; "
+        "benchmarks/fp8_step.py runs them alone)",
+    )
     ap.add_argument(
         "--timeout-s", type=int, default=420, help="collective timeout: a hung rank ends the run"
     )

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from _bench import Timing, build_gpt
-from run_all_table import ROWS, Goal, Row, matches
+from fp8_step import run_all_rows as fp8_step_rows
+from run_all_table import FP8_ROWS, ROWS, Goal, Row, matches
 
 from aligndp.models.gpt import PRESETS
 
@@ -352,6 +353,7 @@ def one_gpu_sections(ctx: Context, group: dist.ProcessGroup) -> list[Row]:
             lambda: mx_training_section(ctx, group),
             ("mx.fp8_step", "mx.fp8_tensor_step", "mx.mxfp8_step"),
         ),
+        (rank == 0, lambda: fp8_step_rows(ctx, group), FP8_ROWS),
         (
             rank == ws - 1,
             lambda: mx_kernels_section(ctx),

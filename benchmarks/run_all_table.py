@@ -26,11 +26,17 @@ ROWS: dict[str, str] = {
     "mx.fp8_step": "--wgrad fp8 training step / bf16 step, one GPU",
     "mx.fp8_tensor_step": "--wgrad fp8-tensor (per-tensor scales) step / bf16 step, one GPU",
     "mx.mxfp8_step": "--wgrad mxfp8 training step / bf16 step, one GPU",
+    "fp8.tensor_compile.vs_torchao": "fp8-tensor + torch.compile step / torchao float8 + "
+    "torch.compile step, default layer rules, one GPU",
+    "fp8.tensor_compile.vs_bf16": "fp8-tensor + torch.compile step / torch bf16 eager step",
+    "fp8.blockwise_compile.vs_bf16": "fp8 1x128 + torch.compile step / torch bf16 eager step",
     "mx.wgrad_mxfp8": "MXFP8 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.wgrad_fp8": "FP8 1x128 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.quantise_fp8": "FP8 1x128 quantise, rows + columns in one pass / device copy",
     "mx.quantise_mxfp8": "MXFP8 quantise, rows + columns in one pass / device copy",
 }
+FP8_ROWS = tuple(k for k in ROWS if k.startswith("fp8."))
+"""Issue 23's rows (benchmarks/fp8_step.py, on rank 0's GPU)."""
 
 
 @dataclasses.dataclass(frozen=True)

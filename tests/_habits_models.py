@@ -12,6 +12,7 @@ reduction order into ~1e-4 relative differences (tests/test_muon.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 import aligndp
 from aligndp.plan.routing import route_params
+from aligndp.runtime.collectives import TorchCollectives
 from tests.models import (  # noqa: F401  (re-exported)
     MUON_GAIN,
     VOCAB,
@@ -96,7 +98,10 @@ class TorchDDP:
         if mode.startswith("muon"):
             routing = route_params(net)
             parts = [
-                (torch.optim.Muon, set(routing.whole)),
+                (
+                    functools.partial(torch.optim.Muon, adjust_lr_fn="match_rms_adamw"),
+                    set(routing.whole),
+                ),
                 (torch.optim.AdamW, set(routing.adamw)),
             ]
         else:
@@ -204,3 +209,38 @@ class NormalisedSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
+
+
+class _Late:
+    """The handle of a gather whose result lands in its bucket only when waited for."""
+
+    def __init__(self, bucket: torch.Tensor, staged: torch.Tensor) -> None:
+        self.bucket, self.staged = bucket, staged
+
+    def wait(self, *args, **kwargs) -> bool:
+        self.bucket.copy_(self.staged)
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class LateGathers(TorchCollectives):
+    """Every param all-gather lands in its bucket only when waited for: a slow network, made
+    deterministic, so a missing wait reads stale weights every time (FSDP2's delay injection).
+    Registered through the collectives seam as ``"late-gather"``; ``gathers`` counts them."""
+
+    name = "late-gather"
+
+    def __init__(self, group) -> None:
+        super().__init__(group)
+        self.gathers = 0
+
+    def all_gather_shards(self, bucket: torch.Tensor) -> _Late:
+        self.gathers += 1
+        staged = bucket.clone()  # this rank's shard as it is now
+        super().all_gather_shards(staged).wait()
+        return _Late(bucket, staged)
+
+
+aligndp.register_collectives(LateGathers.name, LateGathers)

@@ -66,13 +66,14 @@ LAMBDA = 7.0
 """Probabilistic rounding bound's multiplier (see [Tolerances])."""
 ADAMW_GAIN = (1 - 0.9) / (1 - 0.999) ** 0.5
 """3.16: AdamW's (default betas) largest early update per unit relative gradient change."""
-MUON_GAIN = 4.0
+MUON_GAIN = 5.0
 """Muon (fp32 Newton–Schulz) on :class:`ShapedNet`: the update's orthogonal factor moves by up
 to ``2 ||G|| / (sigma_n + sigma_(n-1))`` times a relative change of the momentum ``G`` (Li,
 "New perturbation bounds for the unitary polar factor", SIAM J. Matrix Anal. Appl. 1995),
 at most ~200 for these nets' gradient matrices (their singular values, not the CPU, set it);
-the step moves params by ``lr * rms(update) / rms(param)`` <= 0.02 of themselves at lr 0.02:
-200 x 0.02 = 4, above AdamW's 3.16 for the rest of the params."""
+with ``adjust_lr_fn="match_rms_adamw"`` the update has rms ``0.2 lr``, 0.004 at lr 0.02, which
+is <= 0.025 of params of rms >= 0.16 (nn.Linear's init for fan-in <= 37): 200 x 0.025 = 5,
+above AdamW's 3.16 for the rest of the params."""
 
 
 def order_tolerance(

@@ -7,13 +7,17 @@ cases at other world sizes read them: 4 -> 2 and 2 -> 1, 3, ordered with ``case(
 
 from __future__ import annotations
 
+import math
 import os
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import aligndp
 from tests._dist import case, make_tests
@@ -21,6 +25,7 @@ from tests.models import (
     ADAMW_GAIN,
     GLOBAL_BATCH,
     TOKENS,
+    VOCAB,
     OtherNet,
     assert_params_match,
     batch,
@@ -110,12 +115,11 @@ def case_save_at_two_ranks(rank, ws):
     assert not os.path.exists(ckpt("zero1") + ".partial")
     keys = dcp.FileSystemReader(ckpt("zero1")).read_metadata().state_dict_metadata
     assert "optim.state.fc1.weight.exp_avg" in keys and tuple(keys["model.fc1.weight"].size) == (
-        37 * 11,
+        37,
+        11,
     )
     chunks = keys["optim.state.fc1.weight.exp_avg"].chunks
-    assert len(chunks) == 2 and sum(c.sizes[0] for c in chunks) == 37 * 11, (
-        "each rank writes only its own part"
-    )
+    assert sum(math.prod(c.sizes) for c in chunks) == 37 * 11, "each element written once"
 
 
 @case(2)
@@ -173,14 +177,21 @@ def case_bf16_without_masters_resume(rank, ws):
             assert torch.equal(p, q), f"{what}: {n} differs after resuming"
 
 
-@case(2)
-def case_failed_save_keeps_previous_checkpoint(rank, ws):
-    path = ckpt("interrupted")
+def saved_then_trained(path: str):
+    """A model and optimizer saved at ``path`` after one step (its params returned), then
+    stepped once more."""
     model, opt = build("zero1", 200)
     train(model, opt, range(1))
     aligndp.save(path, model, opt, step=1)
     saved = [p.detach().clone() for p in model.module.parameters()]
     train(model, opt, range(1, 2))
+    return model, opt, saved
+
+
+@case(2)
+def case_failed_save_keeps_previous_checkpoint(rank, ws):
+    path = ckpt("interrupted")
+    model, opt, saved = saved_then_trained(path)
     original = dcp.FileSystemWriter.write_data
 
     def broken(self, plan, planner):
@@ -248,6 +259,120 @@ def case_resume_zero1_other_dp_size_and_bucket_size(rank, ws):
 def case_resume_across_sharding_modes(rank, ws):
     resume_and_compare("none", "zero1", bucket_numel=250)
     resume_and_compare("zero1", "none", bucket_numel=250)
+
+
+# ---- plain PyTorch reads what aligndp wrote ([Note: checkpoint format]) ----
+
+
+@case(1, after=(2,))
+def case_plain_torch_resumes_aligndp_checkpoints(rank, ws):
+    """An unwrapped module, and torch AdamW through torch's own state-dict helpers, resume from
+    checkpoints written at dp 4 and dp 2 (zero1, none) with DCP alone, no process group: the
+    model part right after the load and the run after more steps match the uninterrupted one."""
+    for saved in ("zero1-dp4", "zero1", "none"):
+        net = make_net()
+        dcp.load({"model": net.state_dict()}, checkpoint_id=ckpt(saved), no_dist=True)
+        assert_params_match(
+            net, reference(SAVED_AT), f"{saved}: model part read into a plain module", REL
+        )
+        net = make_net()
+        opt = torch.optim.AdamW(net.parameters(), lr=LR)
+        model_sd, optim_sd = get_state_dict(net, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt(saved), no_dist=True)
+        set_state_dict(net, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        for step in range(SAVED_AT, TOTAL):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            loss_of(net, *batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_params_match(net, reference(TOTAL), f"{saved}: plain torch resumed it", REL)
+
+
+class Odd(nn.Module):
+    """A tied embedding and head, a 3-D conv weight, BatchNorm buffers (one of them int64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 6)
+        self.conv = nn.Conv1d(6, 5, 3, padding=1)
+        self.norm = nn.BatchNorm1d(5)
+        self.out = nn.Linear(5, 6)
+        self.head = nn.Linear(6, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.conv(self.emb(idx).transpose(1, 2))).transpose(1, 2)
+        return self.head(self.out(x))
+
+
+@case(2)
+def case_plain_module_reads_every_key_at_full_shape(rank, ws):
+    """Every key of a plain ``state_dict()`` (tied second name, buffers) is in the checkpoint at
+    full shape, each rank's pieces cut into N-D chunks: DCP's default planner reads on each rank
+    alone exactly the values the wrapped module holds (buffers: rank 0's)."""
+    torch.manual_seed(0)
+    model, opt = aligndp.parallelize(Odd(), sharding="zero1", lr=LR, bucket_numel=200)
+    train(model, opt, range(SAVED_AT))
+    aligndp.save(ckpt("odd"), model, opt, step=SAVED_AT)
+    keys = dcp.FileSystemReader(ckpt("odd")).read_metadata().state_dict_metadata
+    assert len(keys["model.conv.weight"].chunks) > ws, "the conv weight is cut inside its rows"
+    expected = [{k: v.detach().clone() for k, v in model.module.state_dict().items()}]
+    dist.broadcast_object_list(expected, src=0)
+    plain = Odd()
+    state = plain.state_dict()
+    dcp.load({"model": state}, checkpoint_id=ckpt("odd"), no_dist=True)
+    assert state.keys() == expected[0].keys()
+    for key, value in expected[0].items():
+        assert torch.equal(state[key], value), f"{key}: read back differs on rank {rank}"
+    if rank == 0:  # DCP's own converter to one torch.save file, then a strict load_state_dict
+        dcp_to_torch_save(ckpt("odd"), ckpt("odd.pt"))
+        again = Odd()
+        again.load_state_dict(torch.load(ckpt("odd.pt"), weights_only=True)["model"])
+        for key, value in again.state_dict().items():
+            assert torch.equal(value, expected[0][key]), f"{key}: differs through torch.save"
+
+
+@case(1, after=(2,))
+def case_aligndp_reads_nd_chunks_at_another_cut(rank, ws):
+    """What dp 2 wrote in N-D chunks, aligndp reads at dp 1 with another bucket size exactly as
+    DCP's default planner reads it into a plain module."""
+    plain = Odd()
+    dcp.load({"model": plain.state_dict()}, checkpoint_id=ckpt("odd"), no_dist=True)
+    model, opt = aligndp.parallelize(Odd(), sharding="zero1", lr=LR, bucket_numel=50)
+    assert aligndp.load(ckpt("odd"), model, opt) == SAVED_AT
+    for (n, p), q in zip(model.module.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), f"{n}: aligndp and DCP read different values"
+
+
+@case(1, after=(2,))
+def case_load_after_a_save_died_between_its_renames(rank, ws):
+    """A save killed after moving the old checkpoint aside (``<path>.old``) and before renaming
+    the new one into place: load falls back to the previous checkpoint; the next save cleans up."""
+    path = ckpt("died")
+    model, opt, saved = saved_then_trained(path)
+
+    class Killed(BaseException):
+        pass
+
+    real, renames = os.replace, []
+
+    def dies_second(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:
+            raise Killed
+        real(src, dst)
+
+    with mock.patch.object(os, "replace", dies_second), pytest.raises(Killed):
+        aligndp.save(path, model, opt, step=2)
+    assert renames[0] == (path, path + ".old") and not os.path.exists(path)
+    fresh, fresh_opt = build("zero1", 300)
+    assert aligndp.load(path, fresh, fresh_opt) == 1
+    for (n, p), q in zip(fresh.module.named_parameters(), saved):
+        assert torch.equal(p, q), f"{n}: not the previous checkpoint's value"
+    aligndp.save(path, model, opt, step=3)
+    assert aligndp.load(path, fresh, fresh_opt) == 3
+    assert not os.path.exists(path + ".old") and not os.path.exists(path + ".partial")
 
 
 make_tests(globals())

@@ -43,6 +43,7 @@ def test_flags_are_pinned():
         "--mode",
         "--optimizer",
         "--wgrad",
+        "--capability",
         "--bucket-numel",
         "--dtype",
         "--grad-dtype",
@@ -328,3 +329,22 @@ def test_gpt2_small_shows_the_buckets_the_run_builds(capsys, flags, kwargs):
         dist.destroy_process_group()
     assert shown == built
     assert sum(len(buckets) for _, buckets, _ in shown) > len(shown), "several 40 M buckets"
+
+
+def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
+    """1b on Hopper (the default --capability 9.0): fp8 1x128 converts qkv and fc (torchao's
+    rowwise rule keeps layers with out <= 2048: proj, out); MXFP8 on sm_100 by the same rule;
+    no recipe converts anything on a CPU, and says why once."""
+    from aligndp.lowp import layer_rule
+
+    monkeypatch.setattr(layer_rule, "_WARNED", set())  # warned once per process: not yet here
+    code, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "fp8")
+    assert code == 0
+    assert "wgrad fp8: converts 32 of 65 Linear layers (blocks.*.qkv, blocks.*.fc); keeps " in out
+    _, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "mxfp8", "--capability", "10.0")
+    assert "wgrad mxfp8: converts 32 of 65" in out
+    with pytest.warns(UserWarning, match="no fast path on a CPU"):
+        _, out, _ = layout_main(
+            capsys, "--preset", "1b", "--wgrad", "fp8-tensor", "--capability", "cpu"
+        )
+    assert "converts 0 of 65 Linear layers (none)" in out

@@ -61,6 +61,15 @@ def truncate(path) -> None:
         f.truncate(os.path.getsize(path) // 2)
 
 
+def zero_middle(path) -> None:
+    """4 KiB of zeros in the middle of a file, its size unchanged."""
+    size = os.path.getsize(path)
+    start = max(0, size // 2 - 2048)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(min(4096, size - start)))
+
+
 def load_damaged(damage):
     """Load a copy of the good checkpoint after ``damage(path)``."""
 
@@ -232,7 +241,7 @@ LIBRARY = [
         "load an aligndp.json without shapes",
         load_damaged(lambda p: write(p / "aligndp.json", '{"step": 1}')),
         ValueError,
-        r"lacks \['shapes'\]",
+        r"lacks \['shapes', 'checksums'\]",
     ),
     (
         "load without .metadata",
@@ -257,6 +266,18 @@ LIBRARY = [
         load_damaged(lambda p: truncate(p / "__0_0.distcp")),
         ValueError,
         r"__0_0.distcp' is truncated: \d+ bytes, the checkpoint's index needs \d+",
+    ),
+    (
+        "load a shard with 4 KiB zeroed inside, size unchanged",
+        load_damaged(lambda p: zero_middle(p / "__0_0.distcp")),
+        ValueError,
+        r"__0_0.distcp' is damaged: its CRC-32 is [0-9a-f]{8}, aligndp.json recorded [0-9a-f]{8}",
+    ),
+    (
+        "load a checkpoint of aligndp's format 1",
+        load_damaged(lambda p: write(p / "aligndp.json", '{"format": 1, "step": 1}')),
+        ValueError,
+        r"is in aligndp checkpoint format 1 .*reads format 2 only",
     ),
     (
         "load into another model",

@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import aligndp
 from aligndp.plan.routing import route_params
@@ -68,7 +69,9 @@ class Reference:
         self.net = make_net(shape)
         routing = route_params(self.net)
         named = dict(self.net.named_parameters())
-        self.muon = torch.optim.Muon([named[n] for n in routing.whole], lr=MUON_LR)
+        self.muon = torch.optim.Muon(
+            [named[n] for n in routing.whole], lr=MUON_LR, adjust_lr_fn="match_rms_adamw"
+        )
         self.adamw = torch.optim.AdamW([named[n] for n in routing.adamw], lr=ADAMW_LR)
         self.max_grad_norm = max_grad_norm
 
@@ -499,6 +502,43 @@ def case_checkpoint_resume_from_dp4(rank, ws):
 @case(1, 3, after=(2,))
 def case_checkpoint_resume_from_dp2(rank, ws):
     resume_and_compare(2)
+
+
+@case(2)
+def case_checkpoint_names_whole_matrix_state_when_groups_reorder_params(rank, ws):
+    """param_groups listing the params in another order than the module (two groups, each
+    reversed): each matrix's momentum is saved under its own name, as torch's Muon over the
+    same groups holds it after one step (read back with plain DCP)."""
+    routing = route_params(make_net())
+    names = [*routing.whole, *routing.adamw][::-1]
+    groups = [{"params": names[::2]}, {"params": names[1::2]}]
+    ref_net = make_net()
+    named = dict(ref_net.named_parameters())
+    whole = [[named[n] for n in g["params"] if n in routing.whole] for g in groups]
+    adamw = [[named[n] for n in g["params"] if n in routing.adamw] for g in groups]
+    muon = torch.optim.Muon([{"params": ps} for ps in whole if ps], lr=MUON_LR)
+    torch_adamw = torch.optim.AdamW([{"params": ps} for ps in adamw if ps], lr=ADAMW_LR)
+    loss_of(ref_net, *batch(0)).backward()
+    muon.step()
+    torch_adamw.step()
+    for sharding in ("zero1", "none"):
+        model, opt = aligndp.parallelize(
+            make_net(),
+            optimizer="muon",
+            sharding=sharding,
+            lr=MUON_LR,
+            adamw_lr=ADAMW_LR,
+            param_groups=groups,
+        )
+        train(model, opt, range(1))
+        path = ckpt(f"muon-reordered-{sharding}")
+        aligndp.save(path, model, opt, step=1)
+        read = {n: {"momentum_buffer": torch.empty(named[n].shape)} for n in routing.whole}
+        dcp.load({"optim": {"state": read}}, checkpoint_id=path, no_dist=True)
+        for n in routing.whole:
+            expected = muon.state[named[n]]["momentum_buffer"]
+            err = rel_error(read[n]["momentum_buffer"], expected)
+            assert err <= REL, f"{sharding}: {n}'s saved momentum is {err:.2e} from torch's"
 
 
 @case(2)

@@ -83,7 +83,9 @@ class TorchaoMXLinear(nn.Linear):
 
 def convert_with_torchao(model: nn.Module) -> nn.Module:
     """Swap the Linears convert_to_mxfp8 would swap for TorchaoMXLinear (same param objects)."""
-    converted = {n for n, _ in fused_wgrad_modules(convert_to_mxfp8(copy.deepcopy(model)))}
+    converted = {
+        n for n, _ in fused_wgrad_modules(convert_to_mxfp8(copy.deepcopy(model), layers="all"))
+    }
     for name in converted:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -172,8 +174,8 @@ def test_backend_operands_saved_on_ctx_are_used_once():
             y, x_saved = super().forward_for_backward(x, weight, bias)
             return y, ("operands", x_saved.clone())
 
-        def backward(self, saved, grad_out, weight, **kw):
-            return super().backward(saved[1], grad_out, weight, **kw)
+        def backward_parts(self, saved, grad_out, weight, **kw):
+            return super().backward_parts(saved[1], grad_out, weight, **kw)
 
     lin, mxl = make()
     own = MXLinear.from_linear(copy.deepcopy(lin), backend=OwnOperands(get_recipe("mxfp8")))
@@ -307,13 +309,15 @@ def test_convert_default_filter_and_shared_params():
     model = GPT(PRESETS["demo"])
     names_before = model.state_dict().keys()
     params_before = list(model.parameters())
-    convert_to_mxfp8(model)
+    convert_to_mxfp8(model, layers="all")
     converted = [n for n, _ in fused_wgrad_modules(model)]
     assert converted == [f"blocks.{i}.{n}" for i in range(2) for n in ("qkv", "proj", "fc", "out")]
     assert type(model.head) is nn.Linear  # last Linear (output head) kept in high precision
     assert model.state_dict().keys() == names_before
     assert all(a is b for a, b in zip(model.parameters(), params_before))
-    odd = convert_to_mxfp8(GPT(PRESETS["tiny-odd"]))  # dim 40: no whole blocks anywhere
+    odd = convert_to_mxfp8(
+        GPT(PRESETS["tiny-odd"]), layers="all"
+    )  # dim 40: no whole blocks anywhere
     assert not fused_wgrad_modules(odd)
     only_fc = convert_to_mxfp8(GPT(PRESETS["demo"]), filter=lambda name, m: name.endswith("fc"))
     assert [n for n, _ in fused_wgrad_modules(only_fc)] == ["blocks.0.fc", "blocks.1.fc"]
@@ -322,9 +326,9 @@ def test_convert_default_filter_and_shared_params():
 def test_default_filter_skips_tied_weights():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32))
     model[1].weight = model[0].weight
-    convert_to_mxfp8(model)
+    convert_to_mxfp8(model, layers="all")
     assert [type(m) for m in model] == [nn.Linear, nn.Linear, nn.Linear]
-    tied_gpt = convert_to_mxfp8(GPT(GPTConfig(dim=64, head_dim=16, tied=True)))
+    tied_gpt = convert_to_mxfp8(GPT(GPTConfig(dim=64, head_dim=16, tied=True)), layers="all")
     assert len(fused_wgrad_modules(tied_gpt)) == 8 and type(tied_gpt.head) is nn.Linear
 
 
@@ -362,7 +366,7 @@ def test_mxfp8_gpt_follows_fp32_loss_curve(one_thread):
     bug in the quantiser is the torchao comparison's job (below): it hides inside these bounds."""
     torch.manual_seed(0)
     base = GPT(PRESETS["demo"])
-    mx_model = convert_to_mxfp8(copy.deepcopy(base))
+    mx_model = convert_to_mxfp8(copy.deepcopy(base), layers="all")
     ref = train_losses(base, 40, batch=4, seq_len=32)
     ours = train_losses(mx_model, 40, batch=4, seq_len=32)
     gap = (ours - ref).abs()
@@ -379,7 +383,7 @@ def test_mxfp8_gpt_trains_like_the_torchao_emulation(one_thread):
     the loss by ~1e-3, far outside this bound."""
     torch.manual_seed(0)
     base = GPT(PRESETS["demo"])
-    ours_model = convert_to_mxfp8(copy.deepcopy(base))
+    ours_model = convert_to_mxfp8(copy.deepcopy(base), layers="all")
     ref_model = convert_with_torchao(copy.deepcopy(base))
     assert sum(isinstance(m, TorchaoMXLinear) for m in ref_model.modules()) == 8
     g = torch.Generator().manual_seed(3)

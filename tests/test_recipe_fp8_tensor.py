@@ -90,6 +90,22 @@ def test_cuda_quantise_equals_the_cpu_one_bit_for_bit(shape, dtype):
     )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton quantise runs on CUDA")
+def test_cuda_quantises_in_a_row_each_take_their_own_amax():
+    """The amax workspace is reset by the last cast program, not by a launch of its own: a
+    quantise after a larger tensor's must not see the larger amax (nor one after a grid of
+    another size), and every FP8 view of the shared allocation is 16-byte aligned."""
+    from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
+
+    gen = torch.Generator().manual_seed(2)
+    for shape, magnitude in (((2048, 512), 1e3), ((80, 112), 1.0), ((4096, 48), 1e-2)):
+        x = torch.randn(shape, generator=gen) * magnitude
+        gpu, cpu = quantize_tensor(x.cuda(), transposed=True), quantize_tensor(x, transposed=True)
+        assert torch.equal(gpu.scale.cpu(), cpu.scale), shape
+        assert torch.equal(gpu.data_t.cpu().view(torch.uint8), cpu.data_t.view(torch.uint8))
+        assert gpu.data.data_ptr() % 16 == gpu.data_t.data_ptr() % 16 == 0
+
+
 def test_all_zero_tensor_quantises_to_zeros():
     from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
 
@@ -114,7 +130,7 @@ def test_registered_for_every_consumer():
     add_arguments(parser)
     assert parser.parse_args(["--wgrad", "fp8-tensor"]).wgrad == "fp8-tensor"
     model = convert_to_mxfp8(
-        nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 10)), backend="fp8-tensor"
+        nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 10)), backend="fp8-tensor", layers="all"
     )
     assert isinstance(model[0], MXLinear) and not isinstance(model[1], MXLinear)  # head stays
     with pytest.raises(ValueError, match="in_features to be a multiple of 16"):
@@ -126,7 +142,7 @@ TOKENS, DIM, HIDDEN = 32, 48, 80
 
 def make_net() -> nn.Module:
     torch.manual_seed(0)
-    return convert_to_mxfp8(MLP(DIM, HIDDEN, 5), backend="fp8-tensor")
+    return convert_to_mxfp8(MLP(DIM, HIDDEN, 5), backend="fp8-tensor", layers="all")
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,8 +112,8 @@ def test_converted_layers_carry_the_recipe_into_the_fused_wgrad(group, fake):
     equals the mxfp8 reference backend's gradient in one process."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.Linear(64, 10))
-    ours = convert_to_mxfp8(copy.deepcopy(base), backend="fake-reference")
-    ref = convert_to_mxfp8(copy.deepcopy(base), backend="reference")
+    ours = convert_to_mxfp8(copy.deepcopy(base), backend="fake-reference", layers="all")
+    ref = convert_to_mxfp8(copy.deepcopy(base), backend="reference", layers="all")
     assert [type(m) for m in ours] == [MXLinear, nn.GELU, MXLinear, nn.Linear]  # head kept
     backend = ours[0].backend
     assert type(backend) is FakeBackend and ours[2].backend is backend

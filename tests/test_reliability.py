@@ -313,7 +313,11 @@ DAMAGES = {
     ),
     "aligndp.json without shapes": (
         lambda p: write(os.path.join(p, "aligndp.json"), '{"step": 3}'),
-        r"lacks \['shapes'\]",
+        r"lacks \['shapes', 'checksums'\]",
+    ),
+    "4 KiB zeroed inside a shard, size unchanged": (
+        lambda p: zero_middle(os.path.join(p, "__1_0.distcp")),
+        r"__1_0.distcp' is damaged: its CRC-32 is [0-9a-f]{8}, aligndp.json recorded [0-9a-f]{8}",
     ),
     "path is a file": (
         lambda p: (shutil.rmtree(p), write(p, "")),
@@ -321,6 +325,15 @@ DAMAGES = {
     ),
     "missing directory": (lambda p: shutil.rmtree(p), "the path does not exist"),
 }
+
+
+def zero_middle(path: str) -> None:
+    """4 KiB of zeros in the middle of a file, its size unchanged."""
+    size = os.path.getsize(path)
+    start = max(0, size // 2 - 2048)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(min(4096, size - start)))
 
 
 def _truncate(path: str) -> None:

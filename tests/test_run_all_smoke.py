@@ -35,8 +35,18 @@ EXPECTED = [
     "mx.wgrad_fp8",
     "mx.quantise_fp8",
     "mx.quantise_mxfp8",
+    "fp8.tensor_compile.vs_torchao",
+    "fp8.tensor_compile.vs_bf16",
+    "fp8.blockwise_compile.vs_bf16",
 ]
-GPU_ONLY = ["mx.fp8_step", "mx.wgrad_mxfp8", "mx.wgrad_fp8", "mx.quantise_fp8", "mx.quantise_mxfp8"]
+GPU_ONLY = [
+    *EXPECTED[-3:],
+    "mx.fp8_step",
+    "mx.wgrad_mxfp8",
+    "mx.wgrad_fp8",
+    "mx.quantise_fp8",
+    "mx.quantise_mxfp8",
+]
 
 
 def _matching(rows: list[dict], key: str) -> list[dict]:

@@ -379,6 +379,7 @@ def _another(name: str, value):
         "preset": next(p for p in PRESETS if p != value),
         "optimizer": "muon" if value != "muon" else "adamw",
         "wgrad": "mxfp8" if value != "mxfp8" else "none",
+        "wgrad_layers": "all" if value != "all" else "pays",
         "dtype": "bf16" if value != "bf16" else "fp32",
         "data": "other.txt",
     }

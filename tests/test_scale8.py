@@ -120,7 +120,9 @@ def case_layerwise_muon(rank, ws):
             routing = route_params(ref)
             named = dict(ref.named_parameters())
             ref_opts = [
-                torch.optim.Muon([named[n] for n in routing.whole], lr=0.02),
+                torch.optim.Muon(
+                    [named[n] for n in routing.whole], lr=0.02, adjust_lr_fn="match_rms_adamw"
+                ),
                 torch.optim.AdamW([named[n] for n in routing.adamw], lr=0.01),
             ]
             muon_rel = order_tolerance(terms=TERMS, steps=STEPS, gain=MUON_GAIN)

@@ -242,3 +242,82 @@ def test_a_note_said_to_be_in_a_file_is_written_there():
             if places and not any(p.endswith(path) for p in places):
                 wrong.append(f"{where}: [Note: {title}] said to be in {path}, written in {places}")
     assert not wrong, "\n".join(wrong)
+
+
+# torch's private names the sources may use, each for a reason; anything else private (or
+# deprecated: ShardedTensor, torch.distributed._shard) fails test_torch_private_apis_are_listed.
+ALLOWED_PRIVATE_TORCH = {
+    "torch.Tensor._make_wrapper_subclass": "ShardedGrad: a tensor that refuses every use",
+    "torch._foreach_copy_": "one launch to cast many masters back",
+    "torch._foreach_norm": "one launch for many grad norms",
+    "torch._scaled_mm": "the fp8-tensor recipe's GEMM (torch has no public one)",
+    "torch.autograd.Variable._execution_engine": "the end-of-backward callback, as torch DDP",
+}
+DEPRECATED_TORCH = ("torch.distributed._shard", "ShardedTensor")
+
+
+def torch_names(source: str) -> set[str]:
+    """Dotted torch names a source uses: imports, and attribute chains through its aliases."""
+    alias: dict[str, str] = {}
+    used: set[str] = set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    used.add(a.name)
+                    alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                used.add(f"{node.module}.{a.name}")
+                alias[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Del):
+            chain, base = [], node
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in alias:
+                used.add(".".join([alias[base.id], *reversed(chain)]))
+    return used
+
+
+def private_or_deprecated(names: set[str]) -> set[str]:
+    """The shortest private prefix of each name (``torch.x._y.z`` -> ``torch.x._y``), and any
+    deprecated one."""
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith("_") and not part.startswith("__"):
+                found.add(".".join(parts[: i + 1]))
+                break
+        if any(d in name for d in DEPRECATED_TORCH):
+            found.add(name)
+    return found
+
+
+def test_torch_private_apis_are_listed():
+    bad = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        for name in private_or_deprecated(torch_names(p.read_text())):
+            if name not in ALLOWED_PRIVATE_TORCH or any(d in name for d in DEPRECATED_TORCH):
+                bad.setdefault(name, []).append(str(p.relative_to(ROOT)))
+    assert not bad, (
+        f"private or deprecated torch APIs not in ALLOWED_PRIVATE_TORCH: {bad}; use the public "
+        "API, or list the name with the reason"
+    )
+
+
+def test_private_api_check_can_fail():
+    old = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed._shard.sharded_tensor import ShardedTensor\n"
+        "x = dist._functional_collectives.all_reduce\n"
+    )
+    assert private_or_deprecated(torch_names(old)) == {
+        "torch.distributed._shard",
+        "torch.distributed._shard.sharded_tensor.ShardedTensor",
+        "torch.distributed._functional_collectives",
+    }
+    assert not private_or_deprecated(torch_names("import torch\ntorch.distributed.all_reduce\n"))

@@ -210,7 +210,7 @@ def test_sharded_muon_on_two_ranks_matches_one_process(tmp_path):
     steps (a forward while the param all-gather may be pending), against replicated Muon in
     one process, within :data:`MUON_LOSS_REL` (Newton-Schulz amplifies the fp32 rounding
     differences of the reduced gradient: tests/models.py MUON_GAIN)."""
-    muon = [*COMMON, "--optimizer", "muon", "--lr", "0.01"]
+    muon = [*COMMON, "--optimizer", "muon"]  # the default lr serves Muon and AdamW
     assert _train([*muon, "--nproc", "1"], tmp_path / "one") == 0
     assert (
         _train(
@@ -224,10 +224,13 @@ def test_sharded_muon_on_two_ranks_matches_one_process(tmp_path):
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["replicas_in_sync"] is True
 
 
-def test_mxfp8_wgrad_stays_close_to_fp32(one_rank, tmp_path):
-    """--wgrad mxfp8 swaps the hidden Linears for MXLinear (CPU reference backend): the curve
+def test_mxfp8_wgrad_stays_close_to_fp32(one_rank, tmp_path, capsys):
+    """--wgrad mxfp8 --wgrad-layers all swaps the hidden Linears for MXLinear (CPU reference
+    backend; demo preset: 2 blocks x qkv, proj, fc, out, then the head) and says so: the curve
     must differ from fp32 (the MX GEMMs are really used) but stay close (seen: 0.005 nats)."""
-    assert _train([*COMMON, "--wgrad", "mxfp8", "--nproc", "1"], tmp_path) == 0
+    args = [*COMMON, "--wgrad", "mxfp8", "--wgrad-layers", "all", "--nproc", "1"]
+    assert _train(args, tmp_path) == 0
+    assert "wgrad mxfp8: converts 8 of 9 Linear layers (blocks.*.qkv," in capsys.readouterr().out
     gaps = [abs(a - b) for a, b in zip(_losses(tmp_path), _losses(one_rank))]
     assert 1e-4 < max(gaps) < 0.03, gaps
 
@@ -250,7 +253,8 @@ def test_recipe_registered_at_runtime_trains_on_launched_ranks(two_ranks, tmp_pa
     )
     with registered_recipe(mine):
         assert TrainConfig(wgrad="runtime-mx").wgrad == "runtime-mx"
-        args = [*COMMON, "--wgrad", "runtime-mx", "--nproc", "2", "--micro-batches", "2"]
+        args = [*COMMON, "--wgrad", "runtime-mx", "--wgrad-layers", "all", "--nproc", "2"]
+        args += ["--micro-batches", "2"]
         assert _train(args, tmp_path) == 0
     assert json.loads((tmp_path / "run.json").read_text())["config"]["wgrad"] == "runtime-mx"
     gaps = [abs(a - b) for a, b in zip(_losses(tmp_path), _losses(two_ranks))]
@@ -288,6 +292,7 @@ def test_flags_are_pinned():
         "--optimizer",
         "--sharding",
         "--wgrad",
+        "--wgrad-layers",
         "--lr",
         "--seed",
         "--nproc",

@@ -359,6 +359,58 @@ def case_optimizer_state_is_sharded(rank, ws):
     assert sum(everyone) == total, f"state elements {everyone} do not add up to {total}"
 
 
+class Scaled(nn.Module):
+    """``(w * x).sum()``: the gradient of the bf16 ``w`` is ``x`` exactly, whatever ``w``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+@case(2)
+def case_bf16_weight_writes_reach_the_fp32_masters_exactly(rank, ws):
+    """Issue 25, group 9. A bf16 param under ZeRO-1 with fp32 masters, SGD at lr 1 with
+    gradients of 1-4 x 2^-10 (every sum exact in fp32 and in any order), against a hand-kept
+    fp32 master stepped by torch's SGD, compared bit for bit after the bf16 cast:
+    - a write of one element (``w[0] = 0.5``, ``w.data[0] = 0.5``) refreshes that element's
+      master only; the others keep their fp32 precision (below bf16's ulp here), which
+      later steps show;
+    - ``w.data = t`` after wrapping reaches the masters: the next step starts from ``t``."""
+    n = 130  # both ranks own part of it
+    x = torch.tensor([(1 + i % 4) * 2.0**-10 for i in range(n)], dtype=torch.bfloat16)
+    for how in ("w[0] = 0.5", "w.data[0] = 0.5", "w.data = t"):
+        model, opt = aligndp.parallelize(Scaled(n), optimizer="sgd", sharding="zero1", lr=1.0)
+        master = torch.ones(n)
+        ref_opt = torch.optim.SGD([master], lr=1.0)
+        w = model.module.w
+        for step in range(6):
+            if step == 2:
+                assert not torch.equal(master, master.to(torch.bfloat16).float()), (
+                    "the masters must hold precision below bf16's for this test to see it"
+                )
+                with torch.no_grad():
+                    if how == "w[0] = 0.5":
+                        w[0] = 0.5
+                        master[0] = 0.5
+                    elif how == "w.data[0] = 0.5":
+                        w.data[0] = 0.5
+                        master[0] = 0.5
+                    else:
+                        w.data = torch.full((n,), 0.75, dtype=torch.bfloat16)
+                        master.fill_(0.75)
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+            master.grad = x.float()
+            ref_opt.step()
+            expected = master.to(torch.bfloat16)
+            differ = (w.detach() != expected).nonzero().flatten().tolist()
+            assert not differ, f"{how} step {step}: elements {differ[:8]} differ"
+
+
 # ---- single-process tests ----
 
 

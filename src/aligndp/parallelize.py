@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm
+from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm, check_options
 from aligndp.optim.composite import CompositeOptimizer, OptimizerPart, ReplicatedPart
 from aligndp.optim.groups import ParamGroup, ParamGroupsArg, resolve_param_groups
 from aligndp.optim.registry import resolve_optimizer
@@ -29,7 +29,7 @@ from aligndp.plan.spec import (
     numel_cost,
 )
 from aligndp.runtime.ddp import DataParallel, DDPConfig
-from aligndp.user_input import check_master_weights, check_parallelize_inputs
+from aligndp.user_input import check_master_weights, check_parallelize_inputs, take_torch_ddp_kwargs
 
 __all__ = ["parallelize", "plan_request", "SHARDINGS"]
 
@@ -111,7 +111,7 @@ def parallelize(
     start_alignment: int = DEFAULT_START_ALIGNMENT,
     check_finite: bool = False,
     on_nonfinite: str = "raise",
-    broadcast_buffers: bool = True,
+    broadcast_buffers: bool | None = True,
     overlap_param_gather: bool = False,
     param_groups: ParamGroupsArg = None,
     collectives: str = "torch",
@@ -124,11 +124,14 @@ def parallelize(
         optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, a torch optimizer class, or
             a registered whole-matrix optimizer (aligndp/optim/registry.py) such as
             ``"muon"``: ``torch.optim.Muon`` on the hidden 2-D matrices, ``torch.optim.AdamW``
-            on the rest (aligndp/plan/routing.py; ``muon_filter=`` overrides). ``lr`` goes to both;
-            other kwargs go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay,
-            ...) and ``adamw_<x>`` ones to AdamW (adamw_lr, adamw_betas, adamw_weight_decay,
-            ...). With ``sharding="zero1"`` each matrix is stepped whole by one owner rank
-            (layer-wise buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1.
+            on the rest (aligndp/plan/routing.py; ``muon_filter=`` overrides). ``lr`` goes to
+            both, an AdamW-sized lr: Muon's update is scaled to AdamW's RMS
+            (``adjust_lr_fn="match_rms_adamw"`` by default, [Note: one lr for Muon and AdamW] in
+            aligndp/optim/muon.py); ``muon_lr=`` / ``adamw_lr=`` set one part's lr. Other kwargs
+            go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay, ...) and
+            ``adamw_<x>`` ones to AdamW (adamw_betas, adamw_weight_decay, ...). With
+            ``sharding="zero1"`` each matrix is stepped whole by one owner rank (layer-wise
+            buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1.
         sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
         lr: learning rate; None keeps the torch optimizer's default.
         bucket_numel: elements per bucket (default 40 M, as everywhere); None: one bucket per
@@ -144,7 +147,7 @@ def parallelize(
             at the end of backward and all do ``on_nonfinite``: ``"raise"`` a FloatingPointError
             naming the params, or ``"skip"`` the optimizer step (params and state untouched).
         broadcast_buffers: copy rank 0's module buffers to every rank at each forward (torch
-            DDP's default), so BatchNorm statistics agree.
+            DDP's default; None: True), so BatchNorm statistics agree.
         param_groups: torch's ``[{"params": [...], **options}, ...]`` (params or their names) or
             a callable ``(name, param) -> options``; every trainable param in exactly one group.
             Works in every mode; with ``optimizer="muon"`` each group is cut into its Muon and
@@ -160,26 +163,52 @@ def parallelize(
             dp 2 on gloo). True: fp32 masters; only ``sharding="zero1"`` keeps them
             (ValueError with ``"none"``).
         optimizer_kwargs: passed to the torch optimizer (torch's defaults otherwise; on CUDA
-            AdamW/Adam/SGD get ``fused=True`` unless ``fused`` or ``foreach`` is given).
+            AdamW/Adam/SGD get ``fused=True`` unless ``fused`` or ``foreach`` is given), and
+            checked by building it before anything is wrapped (torch's own errors). torch
+            DDP's constructor keywords are taken with their torch meaning
+            (aligndp/user_input.py ``take_torch_ddp_kwargs``): ``bucket_cap_mb`` (MiB of the
+            gradient dtype; instead of ``bucket_numel``), ``device_ids``/``output_device``
+            naming the module's own device, ``init_sync``, ``forward_sync_buffers``, a 1-D
+            ``device_mesh``, and the flags of what aligndp always does
+            (``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``, ...);
+            the rest (``mixed_precision``, ``delay_all_reduce_named_params``, ...) are refused
+            naming the alternative.
 
     Usage reads like torch DDP: ``loss.backward(); opt.step(); opt.zero_grad()``;
-    ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module.
+    ``with model.no_sync():`` for micro-batches; ``model.module`` is the wrapped module;
+    ``model.register_comm_hook(state, hook)`` takes torch's fp16/bf16 compression hooks
+    (aligndp/runtime/comm_hooks.py).
     """
     check_parallelize_inputs(model, optimizer)
     check_master_weights(master_weights, sharding)
     check_max_grad_norm(max_grad_norm)
+    torch_ddp = take_torch_ddp_kwargs(
+        model,
+        optimizer_kwargs,
+        bucket_numel=bucket_numel,
+        default_bucket_numel=DEFAULT_BUCKET_NUMEL,
+        grad_dtype=grad_dtype,
+        process_group=process_group,
+        broadcast_buffers=broadcast_buffers,
+    )
+    bucket_numel, process_group = torch_ddp.bucket_numel, torch_ddp.process_group
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
     muon_filter = optimizer_kwargs.pop("muon_filter", None) if spec is not None else None
     if lr is not None:
         optimizer_kwargs["lr"] = lr
+    # before wrapping, what torch refuses is raised as torch raises it (a misspelt keyword)
     if spec is None:
+        if sharding == "zero1":
+            check_elementwise(found, optimizer_kwargs)
+        else:
+            check_options(found, optimizer_kwargs)
         if _use_fused_kernels(model, found, optimizer_kwargs):
             optimizer_kwargs["fused"] = True
-        if sharding == "zero1":
-            check_elementwise(found, optimizer_kwargs)  # before wrapping: refuse early
     else:
         whole_kwargs, adamw_kwargs = split_kwargs(spec, str(optimizer), optimizer_kwargs)
+        check_options(spec.optimizer_class, whole_kwargs)
+        check_options(torch.optim.AdamW, adamw_kwargs)
         if _use_fused_kernels(model, torch.optim.AdamW, adamw_kwargs):
             adamw_kwargs["fused"] = True
     request, routing = plan_request(
@@ -200,7 +229,8 @@ def parallelize(
         start_alignment=start_alignment,
         check_finite=check_finite,
         on_nonfinite=on_nonfinite,
-        broadcast_buffers=broadcast_buffers,
+        broadcast_at_wrap=torch_ddp.broadcast_at_wrap,
+        broadcast_buffers=torch_ddp.broadcast_buffers,
         collectives=collectives,
     )
     groups = resolve_param_groups(model, param_groups)

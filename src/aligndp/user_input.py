@@ -6,12 +6,22 @@ optimizer instance passed where a class is expected prints its multi-line repr.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from aligndp.optim.registry import known_optimizers
 
-__all__ = ["check_parallelize_inputs", "check_master_weights"]
+__all__ = [
+    "check_parallelize_inputs",
+    "check_master_weights",
+    "check_device_ids",
+    "take_torch_ddp_kwargs",
+    "TorchDDPArgs",
+    "TORCH_DDP_KEYWORDS",
+]
 
 
 def _describe(value: object) -> str:
@@ -72,3 +82,184 @@ def check_master_weights(master_weights: object, sharding: object) -> None:
             "torch DDP does) and keeps no masters: use sharding='zero1' (which keeps them), "
             "or fp32 params, or leave master_weights=None"
         )
+
+
+# ---- torch DDP's constructor keywords ----
+
+TORCH_DDP_ACCEPTED = (
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "check_reduction",
+    "skip_all_reduce_unused_params",
+    "batched_grad_copy",
+)
+"""torch DDP flags for what aligndp always does (unused params are found every step and not
+stepped, grads are bucket views, any graph may change, unused params cost nothing extra):
+accepted as bools and change nothing."""
+
+TORCH_DDP_REFUSED = {
+    "mixed_precision": "parallelize(grad_dtype=torch.float32) reduces bf16 params' gradients "
+    "in fp32, master_weights=True keeps fp32 masters under sharding='zero1', and "
+    "model.register_comm_hook(None, default_hooks.bf16_compress_hook) reduces in bf16",
+    "delay_all_reduce_named_params": "aligndp reduces every trainable param in its buckets; "
+    "freeze a param (requires_grad_(False)) to keep it out, or overlap=False to reduce "
+    "everything at the end of backward",
+    "param_to_hook_all_reduce": "aligndp reduces every trainable param in its buckets; "
+    "overlap=False reduces everything at the end of backward",
+    "bucket_cap_mb_list": "aligndp's buckets have one size: bucket_cap_mb= (or bucket_numel=)",
+}
+"""torch DDP keywords aligndp has no meaning for (when not None), and what to use instead."""
+
+TORCH_DDP_KEYWORDS = (
+    ("device_ids", "output_device", "dim", "init_sync", "bucket_cap_mb", "device_mesh")
+    + ("forward_sync_buffers",)
+    + TORCH_DDP_ACCEPTED
+    + tuple(TORCH_DDP_REFUSED)
+)
+"""Every keyword of ``torch.nn.parallel.DistributedDataParallel`` that ``parallelize`` takes
+besides its own ``process_group`` and ``broadcast_buffers``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchDDPArgs:
+    """What torch DDP's keywords mean for ``parallelize`` (:func:`take_torch_ddp_kwargs`)."""
+
+    bucket_numel: int | None
+    """``bucket_cap_mb`` in elements of the gradient dtype, else parallelize's bucket_numel."""
+    process_group: dist.ProcessGroup | None
+    """``device_mesh``'s group (1-D mesh), else parallelize's process_group."""
+    broadcast_at_wrap: bool
+    """``init_sync``: copy rank 0's params and buffers to every rank when wrapping."""
+    broadcast_buffers: bool
+    """``forward_sync_buffers`` if given, else ``broadcast_buffers`` (None: True, torch's)."""
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}= takes True or False (as in torch DDP), got {value!r}")
+
+
+def _bucket_numel_of_mb(mb: object, dtypes: set[torch.dtype]) -> int:
+    """torch's bucket_cap_mb (MiB) in elements of the widest gradient dtype, so that no bucket
+    is larger than ``mb`` MiB."""
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {mb!r}")
+    return max(1, int(mb * 2**20) // max(d.itemsize for d in dtypes))
+
+
+def check_device_ids(device_ids: object, output_device: object, device: torch.device) -> None:
+    """torch DDP's ``device_ids``/``output_device``: each may only name the one CUDA device
+    the module's params are on (aligndp never moves a module or its inputs)."""
+
+    def as_device(d: object) -> torch.device:
+        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+            raise TypeError(f"a device is an int, a str or a torch.device, got {d!r}")
+        return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+    named = {}
+    if device_ids is not None:
+        if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+            raise ValueError(
+                f"device_ids={device_ids!r}: torch DDP and aligndp take None or the one device "
+                "of the module ([rank's device]); one process drives one device"
+            )
+        named[f"device_ids={device_ids!r}"] = device_ids[0]
+    if output_device is not None:
+        named[f"output_device={output_device!r}"] = output_device
+    for what, d in named.items():
+        dev = as_device(d)
+        same = dev.type == device.type and dev.index in (None, device.index)
+        if device.type != "cuda" or not same:
+            raise ValueError(
+                f"{what} names {dev}, but the module's params are on {device}: "
+                + (
+                    "torch DDP takes device_ids/output_device for single-device CUDA modules "
+                    "only; leave them out (None) for this module"
+                    if device.type != "cuda"
+                    else f"move the module to {dev} before wrapping (module.to({str(dev)!r})) "
+                    "or leave them out"
+                )
+            )
+
+
+def _agree(error: Exception | None, group: dist.ProcessGroup | None) -> None:
+    """Raise ``error`` of any rank on every rank (one ``all_gather_object``), as its type."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        errors: list = [None] * dist.get_world_size(group)
+        mine = None if error is None else (isinstance(error, TypeError), str(error))
+        dist.all_gather_object(errors, mine, group=group)
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad:
+            cls = TypeError if bad[0][1][0] else ValueError
+            raise cls("; ".join(f"rank {r}: {msg}" for r, (_, msg) in bad))
+    elif error is not None:
+        raise error
+
+
+def take_torch_ddp_kwargs(
+    model: nn.Module,
+    kwargs: dict,
+    *,
+    bucket_numel: int | None,
+    default_bucket_numel: int | None,
+    grad_dtype: torch.dtype | None,
+    process_group: dist.ProcessGroup | None,
+    broadcast_buffers: bool | None,
+) -> TorchDDPArgs:
+    """Pop torch DDP's constructor keywords out of ``kwargs`` (parallelize's
+    ``**optimizer_kwargs``) and return their meaning; refuse, before anything is wrapped,
+    those aligndp has no meaning for, naming the alternative."""
+    taken = {k: kwargs.pop(k) for k in TORCH_DDP_KEYWORDS if k in kwargs}
+    for name in TORCH_DDP_ACCEPTED:
+        if name in taken:
+            _check_bool(name, taken[name])
+    for name, instead in TORCH_DDP_REFUSED.items():
+        value = taken.get(name)
+        if value is not None and not (isinstance(value, (list, tuple)) and not value):
+            raise ValueError(f"{name}= of torch DDP has no aligndp equivalent: {instead}")
+    if taken.get("dim", 0) != 0:
+        raise ValueError(
+            f"dim={taken['dim']!r}: torch DDP scatters inputs along dim only for a module on "
+            "several devices; aligndp drives one device per process and never splits inputs: "
+            "leave dim out"
+        )
+    for name in ("init_sync", "forward_sync_buffers"):
+        if taken.get(name) is not None:
+            _check_bool(name, taken[name])
+    mesh = taken.get("device_mesh")
+    if mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass process_group= or device_mesh=, not both (as torch DDP)")
+        if getattr(mesh, "ndim", None) != 1:
+            raise ValueError(
+                f"device_mesh= must be a 1-D DeviceMesh (the data-parallel dimension), got "
+                f"{mesh!r}: pass process_group=mesh.get_group('dp') for a mesh of several"
+            )
+        process_group = mesh.get_group()
+    mb = taken.get("bucket_cap_mb")
+    if mb is not None:
+        if bucket_numel != default_bucket_numel:
+            raise TypeError(
+                f"pass bucket_cap_mb={mb!r} (torch's MiB) or bucket_numel={bucket_numel!r} "
+                "(elements), not both"
+            )
+        trainable = {p.dtype for p in model.parameters() if p.requires_grad} or {torch.float32}
+        bucket_numel = _bucket_numel_of_mb(mb, {grad_dtype} if grad_dtype else trainable)
+    if "device_ids" in taken or "output_device" in taken:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        error = None
+        try:
+            check_device_ids(taken.get("device_ids"), taken.get("output_device"), device)
+        except (TypeError, ValueError) as e:
+            error = e
+        _agree(error, process_group)  # a device that one rank names wrongly: all raise
+    forward_sync = taken.get("forward_sync_buffers")
+    if broadcast_buffers is not None:
+        _check_bool("broadcast_buffers", broadcast_buffers)
+    return TorchDDPArgs(
+        bucket_numel=bucket_numel,
+        process_group=process_group,
+        broadcast_at_wrap=taken.get("init_sync", True),
+        broadcast_buffers=next(b for b in (forward_sync, broadcast_buffers, True) if b is not None),
+    )

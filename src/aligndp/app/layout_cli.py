@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fused wgrad recipe whose alignment requirement the layout must meet (default none)",
     )
     parser.add_argument(
+        "--capability",
+        default="9.0",
+        help="CUDA compute capability (major.minor) the --wgrad recipe's layer rule is judged "
+        "for, or 'cpu' (default 9.0: H100/H200)",
+    )
+    parser.add_argument(
         "--bucket-numel",
         type=int,
         default=DEFAULT_BUCKET_NUMEL,
@@ -132,6 +138,8 @@ class LayoutOptions:
     """Grad buffer dtype; None: each buffer's param dtype."""
     start_alignment: int = DEFAULT_START_ALIGNMENT
     """Requested param start alignment (elements); the planner raises it to every requirement's."""
+    capability: tuple[int, int] | None = (9, 0)
+    """GPU compute capability the wgrad recipe's layer rule is judged for (None: a CPU)."""
 
     def __post_init__(self) -> None:
         whole = whole_matrix_spec(self.optimizer) is not None
@@ -162,6 +170,18 @@ class LayoutOptions:
 
     def plan(self) -> list[BufferLayout]:
         return plan_buffers(self.request())
+
+    def conversion(self) -> str:
+        """Which Linear layers ``aligndp train --wgrad`` converts on this GPU ("" when the
+        recipe converts none or the model has no Linear)."""
+        from aligndp.lowp.layer_rule import describe_plan
+        from aligndp.lowp.linear import conversion_plan
+        from aligndp.lowp.recipes import get_recipe
+
+        if not get_recipe(self.wgrad).backends:
+            return ""
+        plan = conversion_plan(self.model, self.wgrad, capability=self.capability)
+        return describe_plan(self.wgrad, plan) if plan else ""
 
 
 def preset_model(name: str) -> torch.nn.Module:
@@ -232,7 +252,17 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
         bucket_numel=args.bucket_numel,
         grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None,
         start_alignment=args.start_alignment,
+        capability=_capability(args.capability),
     )
+
+
+def _capability(text: str) -> tuple[int, int] | None:
+    if text == "cpu":
+        return None
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"--capability {text!r}: write major.minor (e.g. 9.0) or cpu")
+    return int(major), int(minor)
 
 
 def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
@@ -297,6 +327,9 @@ def run(args: argparse.Namespace) -> int:
             f"({percent:.3f}% padding) in {len(layouts)} buffer(s), "
             f"{sum(len(layout.buckets) for layout in layouts)} bucket(s)"
         )
+        conversion = options.conversion()
+        if conversion:
+            print(conversion)
     if args.png:
         from aligndp.app.plot import draw_layout
 

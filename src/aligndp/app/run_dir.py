@@ -38,7 +38,18 @@ __all__ = [
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
-IDENTITY = ("preset", "steps", "batch_size", "optimizer", "lr", "seed", "wgrad", "dtype", "data")
+IDENTITY = (
+    "preset",
+    "steps",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "seed",
+    "wgrad",
+    "wgrad_layers",
+    "dtype",
+    "data",
+)
 """TrainConfig fields that define a run: a checkpoint resumes only into the same values."""
 MAY_CHANGE_ON_RESUME = (
     "micro_batches",

@@ -22,6 +22,7 @@ __all__ = ["TrainConfig", "add_arguments", "config_from_args"]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
+WgradLayers = Literal["pays", "all"]
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16"]
 
@@ -45,8 +46,13 @@ class TrainConfig:
     wgrad: str = "none"
     """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer: a wgrad
     recipe registered when the flags are read (aligndp.register_recipe adds one)."""
+    wgrad_layers: WgradLayers = "pays"
+    """Which Linear layers --wgrad converts: pays (those whose GEMMs gain from FP8 on this GPU;
+    none on a device without the format's fast path, e.g. a CPU) or all (every layer the
+    recipe can run: a correctness path where it is emulated)."""
     lr: float = 3e-3
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it); with
+    --optimizer muon the one lr of Muon and AdamW (Muon's update scaled to AdamW's RMS)."""
     seed: int = 0
     """Seeds the model's initialisation and the order of the data."""
     nproc: int = 2

@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -200,8 +201,16 @@ def _setup(config: TrainConfig) -> _Job:
     backend = wgrad_backend(config)
     if backend is not None:
         from aligndp.lowp import convert_to_mxfp8
+        from aligndp.lowp.layer_rule import describe_plan
+        from aligndp.lowp.linear import conversion_plan
 
-        convert_to_mxfp8(module, backend=backend)
+        with warnings.catch_warnings():  # the no-fast-path warning: rank 0's only
+            if rank:
+                warnings.simplefilter("ignore")
+            plan = conversion_plan(module, config.wgrad, layers=config.wgrad_layers)
+            convert_to_mxfp8(module, backend=backend, layers=config.wgrad_layers)
+        if rank == 0:
+            print(describe_plan(config.wgrad, plan), flush=True)
     model, optimizer = aligndp.parallelize(
         module,
         optimizer=config.optimizer,

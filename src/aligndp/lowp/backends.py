@@ -200,6 +200,38 @@ class WgradBackend(abc.ABC):
         y = self.forward(x, weight)
         return (y if bias is None else y + bias.to(y.dtype)), x
 
+    def backward_parts(
+        self,
+        saved: object,
+        grad_out: torch.Tensor,
+        weight: torch.Tensor,
+        *,
+        need_dgrad: bool,
+        need_wgrad: bool,
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """``(grad_x, parts)`` for one :meth:`forward_for_backward` call: the input gradient
+        (None unless ``need_dgrad``) and the tensors :meth:`wgrad_from_parts` makes the weight
+        gradient from (None unless ``need_wgrad``). Split so that the wgrad, and the grad sink
+        it writes into, can run as one opaque op under ``torch.compile``
+        ([Note: compiled MX layers] in ops.py). The default: ``(grad_out, x)``."""
+        grad_x = self.dgrad(grad_out, weight) if need_dgrad else None
+        return grad_x, ((grad_out, saved.to(grad_out.dtype)) if need_wgrad else None)
+
+    def wgrad_from_parts(
+        self,
+        parts: tuple[torch.Tensor, ...],
+        target: GradTarget | None,
+        shape: tuple[int, int],
+    ) -> torch.Tensor | None:
+        """The weight gradient (``shape``: out, in) from :meth:`backward_parts`' ``parts``: into
+        ``target`` as it says, after the checks of :meth:`check` (returns None), or returned in
+        float32 when ``target`` is None."""
+        grad_out, x = parts
+        if target is None:
+            return self.wgrad(grad_out, x)
+        self.wgrad_into(grad_out, x, target)
+        return None
+
     def backward(
         self,
         saved: object,
@@ -213,14 +245,12 @@ class WgradBackend(abc.ABC):
         """``(grad_x, grad_w)`` for one :meth:`forward_for_backward` call, None where not needed.
         With a ``target`` (a view of the grad buffer) the wgrad goes into it as it says, after
         the checks of :meth:`check`, and ``grad_w`` is None."""
-        grad_x = self.dgrad(grad_out, weight) if need_dgrad else None
+        grad_x, parts = self.backward_parts(
+            saved, grad_out, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad
+        )
         grad_w = None
-        if need_wgrad:
-            x = saved.to(grad_out.dtype)
-            if target is None:
-                grad_w = self.wgrad(grad_out, x)
-            else:
-                self.wgrad_into(grad_out, x, target)
+        if parts is not None:
+            grad_w = self.wgrad_from_parts(parts, target, tuple(weight.shape))
         return grad_x, grad_w
 
 

@@ -5,6 +5,14 @@ quantise is two passes: :func:`_amax_kernel` (a grid-stride max of ``|x|`` per p
 ``atomic_max`` each into a float32 scalar) and :func:`_cast_kernel` (each tile scaled, clamped
 to ±448 and cast to E4M3, written row-major and, when asked, transposed as well, so the GEMM
 that wants the other layout needs no separate transpose of the FP8 tensor).
+
+Host cost per quantise ([Note: compiled MX layers] removes it under torch.compile): two
+launches and one allocation. The amax scalar is a per-device workspace that is never zeroed by
+a launch of its own: each cast program takes a ticket (``atomic_add``, acquire-release, after
+its read of the amax), and the program that takes the last ticket sets the amax and the ticket
+back to 0 for the next quantise on the stream. The FP8 data, its transpose and the scale share
+one allocation. Quantises on two streams at once would share the workspace: the recipe
+quantises on the current stream only.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
 def _cast_kernel(
     x_ptr,
     amax_ptr,
+    ticket_ptr,
     q_ptr,
     qt_ptr,
     scale_ptr,
@@ -71,6 +80,11 @@ def _cast_kernel(
         tl.store(qt_ptr + rn[:, None] * M + rm[None, :], yt.to(tl.float8e4nv), mask=mask_t)
     if (pid_m == 0) & (pid_n == 0):
         tl.store(scale_ptr, scale)
+    # every program has read the amax before its ticket; the last one resets the workspace
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(amax_ptr, 0.0)  # no program reads either after its ticket
+        tl.store(ticket_ptr, 0)
 
 
 TILE = (64, 64, 4)
@@ -86,6 +100,16 @@ def _programs(device_index: int) -> int:
     return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _workspace(device_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's amax (float32) and ticket (int32) scalars, zeroed once here; every cast
+    leaves them zeroed again (module docstring)."""
+    device = torch.device("cuda", device_index)
+    return torch.zeros((), dtype=torch.float32, device=device), torch.zeros(
+        (), dtype=torch.int32, device=device
+    )
+
+
 def quantize_per_tensor(
     x: torch.Tensor, *, transposed: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -94,15 +118,23 @@ def quantize_per_tensor(
     ``amax / 448`` with ``q * scale ≈ x``."""
     assert x.is_cuda and x.dim() == 2 and x.is_contiguous(), "internal: 2-D contiguous CUDA"
     m, n = x.shape
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    amax, ticket = _workspace(index)
     block, unroll = AMAX_LOOP
-    grid = (max(1, min(triton.cdiv(x.numel(), block * unroll), _programs(x.device.index or 0))),)
+    grid = (max(1, min(triton.cdiv(x.numel(), block * unroll), _programs(index))),)
     _amax_kernel[grid](x, amax, x.numel(), BLOCK=block, UNROLL=unroll, num_warps=8)
-    q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
-    q_t = torch.empty((n, m), dtype=torch.float8_e4m3fn, device=x.device) if transposed else q
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    # one allocation: [scale, 16 B][q][q_t], each FP8 tensor 16-byte aligned for cuBLASLt
+    numel_16 = triton.cdiv(m * n, 16) * 16
+    buf = torch.empty(16 + numel_16 * (2 if transposed else 1), dtype=torch.uint8, device=x.device)
+    scale = buf[:4].view(torch.float32).view(())
+    q = buf[16 : 16 + m * n].view(torch.float8_e4m3fn).view(m, n)
+    q_t = (
+        buf[16 + numel_16 : 16 + numel_16 + m * n].view(torch.float8_e4m3fn).view(n, m)
+        if transposed
+        else q
+    )
     bm, bn, warps = TILE
     _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, amax, q, q_t, scale, m, n, BM=bm, BN=bn, WRITE_T=transposed, num_warps=warps
+        x, amax, ticket, q, q_t, scale, m, n, BM=bm, BN=bn, WRITE_T=transposed, num_warps=warps
     )
     return q, (q_t if transposed else None), scale

@@ -20,11 +20,14 @@ import torch
 import torch.nn as nn
 
 from aligndp.lowp.backends import WgradBackend
-from aligndp.lowp.recipes import get_backend
+from aligndp.lowp.layer_rule import capability_of, slow_reason
+from aligndp.lowp.ops import fused_wgrad, register_layer
+from aligndp.lowp.recipe import Recipe
+from aligndp.lowp.recipes import get_backend, get_recipe
 from aligndp.plan.fused import GradSink
 from aligndp.plan.spec import Requirement
 
-__all__ = ["MXLinear", "convert_to_mxfp8"]
+__all__ = ["MXLinear", "convert_to_mxfp8", "conversion_plan"]
 
 
 class _MXLinearFunction(torch.autograd.Function):
@@ -67,16 +70,19 @@ class _MXLinearFunction(torch.autograd.Function):
         backend, sink = ctx.backend, ctx.sink
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        target = sink.grad_target(weight) if sink is not None and need_wgrad else None
-        grad_x, grad_w = backend.backward(
-            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad, target=target
+        grad_x, parts = backend.backward_parts(
+            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad
         )
         if grad_x is not None:
             grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+        grad_w = None
+        if parts is not None:
+            if sink is not None:  # into main_grad; a wgrad back only if the sink has no view
+                grad_w = fused_wgrad(backend, sink, weight, parts)
+            else:
+                grad_w = backend.wgrad_from_parts(parts, None, tuple(weight.shape))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        if target is not None:
-            sink.mark_ready(weight)
         grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
 
@@ -136,6 +142,8 @@ class MXLinear(nn.Linear):
 
     def bind_grad_sink(self, sink: GradSink | None) -> None:
         self._grad_sink = sink
+        if sink is not None:  # findable in a compiled backward ([Note: compiled MX layers])
+            register_layer(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -157,25 +165,61 @@ def _shared_weight_linears(model: nn.Module) -> frozenset:
     return frozenset(n for names in owners.values() if len(names) > 1 for n in names)
 
 
+def conversion_plan(
+    model: nn.Module,
+    recipe: str | Recipe,
+    *,
+    layers: str = "pays",
+    capability: tuple[int, int] | None | str = "auto",
+) -> list[tuple[str, str]]:
+    """``(name, why_not)`` for every ``nn.Linear`` of ``model``, in registration order:
+    ``why_not`` is "" for a layer ``recipe`` (a name or a Recipe) converts
+    (:meth:`~aligndp.lowp.recipe.Recipe.why_not`). ``capability``: the CUDA compute capability
+    the rule is judged for (None: a CPU); ``"auto"`` reads it from the model's first param."""
+    if not isinstance(recipe, Recipe):
+        recipe = get_recipe(recipe)
+    if capability == "auto":
+        first = next(model.parameters(), None)
+        capability = capability_of(first.device) if first is not None else None
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    last, shared = (linears[-1][0] if linears else ""), _shared_weight_linears(model)
+    plan = [
+        (
+            n,
+            recipe.why_not(
+                n, m, last_linear=last, shared=shared, layers=layers, capability=capability
+            ),
+        )
+        for n, m in linears
+    ]
+    if recipe.gain is not None and layers == "pays" and not recipe.gain.fast_on(capability):
+        if any(recipe.converts(n, m, last_linear=last, shared=shared) for n, m in linears):
+            slow_reason(recipe.name, recipe.gain, capability)  # one warning per recipe and device
+    return plan
+
+
 def convert_to_mxfp8(
     model: nn.Module,
     *,
     filter: Callable[[str, nn.Linear], bool] | None = None,
     backend: str | WgradBackend = "reference",
+    layers: str = "pays",
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules of ``model`` (in place) for :class:`MXLinear`; return ``model``.
 
-    ``backend`` (a name or instance) picks the recipe, MXFP8 by default. ``filter(name, module)
-    -> bool`` picks which layers (``name`` as in ``named_modules``); the default is the
-    recipe's :meth:`~aligndp.lowp.recipe.Recipe.converts`. Parameters are reused, so
-    state_dict keys and optimizers are unchanged; model code is not touched.
+    ``backend`` (a name or instance) picks the recipe, MXFP8 by default. Which layers:
+    ``layers="pays"`` (default) those whose GEMMs gain from FP8 on the model's device
+    ([Note: layers that pay] in layer_rule.py: none on a device without the format's fast
+    path, with one warning); ``layers="all"`` every layer the recipe can run
+    (:meth:`~aligndp.lowp.recipe.Recipe.converts`); ``filter(name, module) -> bool`` replaces
+    both (``name`` as in ``named_modules``). Parameters are reused, so state_dict keys and
+    optimizers are unchanged; model code is not touched.
     """
     backend = get_backend(backend)
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     if filter is None:
-        last, shared = (linears[-1][0] if linears else ""), _shared_weight_linears(model)
-        recipe = backend.recipe
-        filter = lambda n, m: recipe.converts(n, m, last_linear=last, shared=shared)  # noqa: E731
+        chosen = {n for n, why in conversion_plan(model, backend.recipe, layers=layers) if not why}
+        filter = lambda n, m: n in chosen  # noqa: E731
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     for name, module in linears:
         if not filter(name, module):
             continue

@@ -21,6 +21,7 @@ import importlib
 
 import torch.nn as nn
 
+from aligndp.lowp.layer_rule import GainRule
 from aligndp.plan.spec import Requirement
 
 __all__ = ["ScaleFormat", "BackendRef", "Recipe"]
@@ -89,6 +90,9 @@ class Recipe:
     (0: it converts no layer)."""
     backends: tuple[BackendRef, ...] = ()
     """GEMM backends that run it, in order of preference."""
+    gain: GainRule | None = None
+    """Where its GEMMs beat bf16 ([Note: layers that pay] in layer_rule.py): what
+    ``convert_to_mxfp8(layers="pays")`` converts. None: every layer it can run."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -139,3 +143,34 @@ class Recipe:
             or module.out_features % self.layer_dim_multiple
         )
         return dims_ok and name != last_linear and name not in shared
+
+    def why_not(
+        self,
+        name: str,
+        module: nn.Linear,
+        *,
+        last_linear: str = "",
+        shared: frozenset = frozenset(),
+        layers: str = "pays",
+        capability: tuple[int, int] | None = None,
+    ) -> str:
+        """Why this recipe keeps ``module`` an ``nn.Linear`` ("" when it converts it):
+        :meth:`converts`, and with ``layers="pays"`` its :attr:`gain` rule on a device of
+        ``capability`` (None: a CPU)."""
+        if layers not in ("pays", "all"):
+            raise ValueError(f"layers must be 'pays' or 'all', got {layers!r}")
+        if not self.converts(name, module, last_linear=last_linear, shared=shared):
+            if not self.layer_dim_multiple:
+                return "recipe converts no layer"
+            if name == last_linear:
+                return "the model's last Linear (output head)"
+            if name in shared:
+                return "its weight is shared with another module"
+            return f"dims not multiples of {self.layer_dim_multiple}"
+        if layers == "all" or self.gain is None:
+            return ""
+        if not self.gain.fast_on(capability):
+            return "no fast path on this device"
+        if not self.gain.gains(module.in_features, module.out_features):
+            return f"too small to gain ({self.gain.source})"
+        return ""

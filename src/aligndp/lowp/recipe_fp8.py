@@ -5,6 +5,7 @@ of 32, as MXLinear has always asked; the GPU backend zero-pads feature dims to i
 (exact for a GEMM). There is no CPU backend.
 """
 
+from aligndp.lowp.layer_rule import BLOCKWISE_SKIP, GainRule
 from aligndp.lowp.recipe import BackendRef, Recipe, ScaleFormat
 from aligndp.plan.spec import Requirement
 
@@ -15,6 +16,12 @@ RECIPE = Recipe(
     block=128,
     scale_format=ScaleFormat.FP32,
     layer_dim_multiple=32,
+    gain=GainRule(
+        fast_from=(9, 0),
+        slow_on="nothing (the 1x128 kernels are Hopper kernels)",
+        skip=BLOCKWISE_SKIP,
+        source="torchao rowwise rule: out <= 2048, in <= 1024, or in <= 2048 and out <= 4096",
+    ),
     backends=(
         BackendRef(
             "fp8", "aligndp.lowp.triton_backend:TritonBackend", devices=("cuda",), needs_cuda=True

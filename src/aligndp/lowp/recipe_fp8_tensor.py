@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 
 from aligndp.lowp.backends import WgradBackend
+from aligndp.lowp.layer_rule import TENSORWISE_SKIP, GainRule
+from aligndp.lowp.ops import compiling
 from aligndp.lowp.recipe import BackendRef, Recipe
 from aligndp.plan.spec import Requirement
 
@@ -59,13 +61,15 @@ class Quantized(NamedTuple):
 
 def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
     """``t`` (2-D) as E4M3 with one scale ``max|t| / 448``; with ``transposed``, its transpose
-    too. CUDA: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both layouts;
-    elsewhere torch ops with the same maths."""
-    if t.is_cuda:
+    too. CUDA, eager: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both
+    layouts; elsewhere, and under torch.compile, torch ops with the same maths."""
+    if t.is_cuda and not compiling():
         from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
 
         data, data_t, scale = quantize_per_tensor(t.contiguous(), transposed=transposed)
         return Quantized(data, scale, data_t)
+    # torch ops: on CPU, and under torch.compile, where Inductor fuses the amax and the cast
+    # with their neighbours ([Note: compiled MX layers] in ops.py)
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
     scale = torch.clamp(amax, min=AMAX_FLOOR) / E4M3_MAX
     data = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -118,23 +122,26 @@ class TensorScaledBackend(WgradBackend):
         bias = None if bias is None else bias.to(x.dtype)
         return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
 
-    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, target):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
         if not (need_dgrad or need_wgrad):
             return None, None
         g = quantize_tensor(grad_out, transposed=need_wgrad)
         grad_x = _mm(g, saved.weight.t(), grad_out.dtype, fast=False) if need_dgrad else None
-        grad_w = None
-        if need_wgrad:
-            if target is None:
-                grad_w = _mm(g.t(), saved.x.t(), torch.float32, fast=False)
-            else:
-                self.check(target.view, grad_out, saved.x.data)
-                if target.accumulate:
-                    target.view.add_(_mm(g.t(), saved.x.t(), torch.float32, fast=False))
-                else:  # the GEMM writes the view itself: no zeroing, no add pass
-                    view = target.view
-                    _mm(g.t(), saved.x.t(), view.dtype, fast=False, out=view)
-        return grad_x, grad_w
+        if not need_wgrad:
+            return grad_x, None
+        g_t, x_t = g.t(), saved.x.t()  # (out, tokens) and (in, tokens), row-major
+        return grad_x, (g_t.data, g_t.scale, x_t.data, x_t.scale)
+
+    def wgrad_from_parts(self, parts, target, shape):
+        g_t, x_t = Quantized(parts[0], parts[1]), Quantized(parts[2], parts[3])
+        if target is None:
+            return _mm(g_t, x_t, torch.float32, fast=False)
+        self.check_main_grad(target.view, shape=shape, device=g_t.data.device)
+        if target.accumulate:
+            target.view.add_(_mm(g_t, x_t, torch.float32, fast=False))
+        else:  # the GEMM writes the view itself: no zeroing, no add pass
+            _mm(g_t, x_t, target.view.dtype, fast=False, out=target.view)
+        return None
 
 
 RECIPE = Recipe(
@@ -144,6 +151,12 @@ RECIPE = Recipe(
     block=16,  # no quantisation blocks: cuBLASLt's FP8 GEMM wants dims that are multiples of 16
     scale_format=TensorScale.FP32_PER_TENSOR,
     layer_dim_multiple=16,
+    gain=GainRule(
+        fast_from=(8, 9),
+        slow_on="torch._scaled_mm on CPU, or without FP8 tensor cores",
+        skip=TENSORWISE_SKIP,
+        source="torchao tensorwise rule: in <= 4096 and out <= 1024",
+    ),
     backends=(
         BackendRef(
             "fp8-tensor",

@@ -7,6 +7,7 @@ never less than the kernel's tile. Layers need whole 32-element blocks along bot
 is the contraction dim of one of the layer's GEMMs).
 """
 
+from aligndp.lowp.layer_rule import BLOCKWISE_SKIP, GainRule
 from aligndp.lowp.recipe import BackendRef, Recipe, ScaleFormat
 from aligndp.plan.spec import Requirement
 
@@ -17,6 +18,15 @@ RECIPE = Recipe(
     block=32,
     scale_format=ScaleFormat.E8M0,
     layer_dim_multiple=32,
+    gain=GainRule(
+        fast_from=(10, 0),
+        slow_on=(
+            "MXFP8 emulated: operands dequantised to bf16 for a bf16 GEMM (no block-scaled "
+            "tensor cores before sm_100), or the CPU reference"
+        ),
+        skip=BLOCKWISE_SKIP,
+        source="torchao rowwise rule: out <= 2048, in <= 1024, or in <= 2048 and out <= 4096",
+    ),
     backends=(
         BackendRef("reference", "aligndp.lowp.backends:ReferenceBackend", devices=("cpu",)),
         BackendRef(

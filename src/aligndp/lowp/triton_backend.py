@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from aligndp.lowp.backends import WgradBackend, pad_tokens, put_wgrad
 from aligndp.lowp.mx_format import padded_length
+from aligndp.lowp.ops import quantize_rc, scaled_mm
 from aligndp.lowp.recipe import ScaleFormat
-from aligndp.lowp.triton_kernels import QuantizedOperand, quantize_rows_and_columns, scaled_gemm
+from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
 from aligndp.plan.fused import GradTarget
 
 __all__ = ["TritonBackend"]
@@ -58,18 +59,19 @@ class TritonBackend(WgradBackend):
     name = "triton"
     scale_formats = (ScaleFormat.E8M0, ScaleFormat.FP32)
 
+    @property
+    def _mx(self) -> bool:
+        return self.recipe.scale_format is ScaleFormat.E8M0
+
     def _quantize(
         self, t: torch.Tensor, *, rowwise: bool = True, colwise: bool = True
     ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
         """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
         (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for."""
-        return quantize_rows_and_columns(
-            _pad_2d(t, self.block),
-            block=self.block,
-            scale_format=self.recipe.scale_format,
-            rowwise=rowwise,
-            colwise=colwise,
+        pairs = quantize_rc(
+            _pad_2d(t, self.block), block=self.block, mx=self._mx, rowwise=rowwise, colwise=colwise
         )
+        return tuple(None if p is None else QuantizedOperand(*p) for p in pairs)
 
     def _gemm(
         self,
@@ -80,8 +82,7 @@ class TritonBackend(WgradBackend):
         dtype,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = torch.empty(a.data.shape[0], b.data.shape[0], dtype=dtype, device=a.data.device)
-        scaled_gemm(a, b, out, block=self.block, scale_format=self.recipe.scale_format, bias=bias)
+        out = scaled_mm(a, b, block=self.block, mx=self._mx, out_dtype=dtype, bias=bias)
         return out[:rows, :cols]
 
     def forward(self, x, weight):
@@ -130,17 +131,19 @@ class TritonBackend(WgradBackend):
         )  # bias in the epilogue
         return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
 
-    def backward(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, target):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
         x_col, w_col, tokens, n_in, n_out = saved
         if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
             return None, None
         dy_row, dy_col = self._quantize(grad_out, rowwise=need_dgrad, colwise=need_wgrad)
         grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
-        grad_w = None
-        if need_wgrad:
-            if target is None:
-                grad_w = self._gemm(dy_col, x_col, n_out, n_in, torch.float32)
-            else:
-                self.check_main_grad(target.view, shape=(n_out, n_in), device=grad_out.device)
-                self._into(dy_col, x_col, target)
-        return grad_x, grad_w
+        parts = (*dy_col, *x_col) if need_wgrad else None
+        return grad_x, parts
+
+    def wgrad_from_parts(self, parts, target, shape):
+        dy_col, x_col = QuantizedOperand(*parts[:2]), QuantizedOperand(*parts[2:])
+        if target is None:
+            return self._gemm(dy_col, x_col, *shape, torch.float32)
+        self.check_main_grad(target.view, shape=shape, device=parts[0].device)
+        self._into(dy_col, x_col, target)
+        return None

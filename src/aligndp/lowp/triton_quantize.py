@@ -94,6 +94,22 @@ _FP8 = {
 }
 
 
+def _operand(data_shape, scale_shape, elem_dtype, scale_dtype, device, one) -> QuantizedOperand:
+    """Empty data and scales, in one allocation (``one``: the scales 256-byte aligned after the
+    data) or two."""
+    if not one:
+        return QuantizedOperand(
+            torch.empty(data_shape, dtype=elem_dtype, device=device),
+            torch.empty(scale_shape, dtype=scale_dtype, device=device),
+        )
+    used = data_shape[0] * data_shape[1] * elem_dtype.itemsize
+    data_bytes = -(-used // 256) * 256
+    scale_bytes = scale_shape[0] * scale_shape[1] * scale_dtype.itemsize
+    buf = torch.empty(data_bytes + scale_bytes, dtype=torch.uint8, device=device)
+    data = buf[:used].view(elem_dtype).view(data_shape)
+    return QuantizedOperand(data, buf[data_bytes:].view(scale_dtype).view(scale_shape))
+
+
 def quantize_rows_and_columns(
     x: torch.Tensor,
     *,
@@ -104,6 +120,7 @@ def quantize_rows_and_columns(
     colwise: bool = True,
     impl: str = "auto",
     tile: int = 64,
+    one_allocation: bool = True,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """Row-wise and/or column-wise quantisation of a 2-D CUDA tensor in one read.
 
@@ -113,6 +130,8 @@ def quantize_rows_and_columns(
     ``impl``: ``auto`` runs the Gluon kernel ([Note: quantise layout]) on sm_90 for blocks of
     32 and 128 and the plain-Triton one elsewhere; ``gluon`` / ``triton`` force one. ``tile``
     (a multiple of ``block``) is the square tile of the plain-Triton kernel.
+    ``one_allocation``: each operand's data and scales share one allocation (False: two, as a
+    custom op's outputs must not share storage).
     """
     if x.ndim != 2 or not x.is_cuda or x.shape[0] % block or x.shape[1] % block:
         raise ValueError(
@@ -132,22 +151,12 @@ def quantize_rows_and_columns(
     out, emax, fp8_max = _FP8[elem_dtype]
     mx = ScaleFormat(scale_format) is ScaleFormat.E8M0
     scale_dtype = torch.uint8 if mx else torch.float32
-    row = (
-        QuantizedOperand(
-            torch.empty(M, N, dtype=elem_dtype, device=x.device),
-            torch.empty(N // block, M, dtype=scale_dtype, device=x.device),
-        )
-        if rowwise
-        else None
-    )
-    col = (
-        QuantizedOperand(
-            torch.empty(N, M, dtype=elem_dtype, device=x.device),
-            torch.empty(M // block, N, dtype=scale_dtype, device=x.device),
-        )
-        if colwise
-        else None
-    )
+    # one allocation per layout (data and scales), not two: the host cost of a quantise is
+    # per call. The layouts stay apart because they live apart (forward keeps only the column
+    # one of x and the weight for backward).
+    one, dev = one_allocation, x.device
+    row = _operand((M, N), (N // block, M), elem_dtype, scale_dtype, dev, one) if rowwise else None
+    col = _operand((N, M), (M // block, N), elem_dtype, scale_dtype, dev, one) if colwise else None
     if use_gluon:
         _gluon.quantize(
             x, row, col, block=block, scale_format=scale_format, out=out, emax=emax, fp8_max=fp8_max

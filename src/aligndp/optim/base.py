@@ -24,6 +24,7 @@ __all__ = [
     "check_max_grad_norm",
     "resolve_optimizer_class",
     "is_elementwise",
+    "check_options",
     "global_grad_norm",
 ]
 
@@ -71,6 +72,17 @@ def resolve_optimizer_class(name: str | type[torch.optim.Optimizer]) -> type[tor
         ) from None
 
 
+def _probe_options(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k not in _IMPL_KEYS}
+
+
+def check_options(opt_class: type[torch.optim.Optimizer], options: dict) -> None:
+    """Build ``opt_class`` with ``options`` over a 4x6 tensor, so that what torch refuses
+    (an unknown keyword, a negative lr) is raised as torch raises it, before anything is
+    wrapped. Implementation flags (``fused``, ``foreach``, ...) are left to the real build."""
+    opt_class([torch.zeros(4, 6, requires_grad=True)], **_probe_options(options))
+
+
 def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> bool:
     """Whether ``opt_class`` with ``options`` updates each element from that element's history
     alone.
@@ -78,34 +90,32 @@ def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> boo
     How it is decided: a probe. The optimizer steps a 4x6 tensor three times, and separately
     two flat pieces of it cut at element 7 (how ZeRO-1 cuts params) with the same gradients;
     elementwise optimizers give the same values (1e-6). This refuses per-tensor statistics
-    (Muon, Adafactor's factored moments, LAMB's trust ratio) and closures (LBFGS).
+    (Muon, Adafactor's factored moments, LAMB's trust ratio) and closures (LBFGS). Building the
+    optimizer over the whole tensor is the user's call: what torch raises there (a misspelt
+    keyword) is raised as it is, never read as "not elementwise".
     """
-    options = {k: v for k, v in options.items() if k not in _IMPL_KEYS}
+    options = _probe_options(options)
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(4, 6, generator=gen)
     grads = [torch.randn(4, 6, generator=gen) for _ in range(3)]
+    whole = start.clone().requires_grad_(True)
+    opt_whole = opt_class([whole], **options)  # the user's options: their errors propagate
     try:
-        whole = start.clone().requires_grad_(True)
         pieces = [
             start.reshape(-1)[:7].clone().requires_grad_(True),
             start.reshape(-1)[7:].clone().requires_grad_(True),
         ]
-        opt_whole, opt_pieces = opt_class([whole], **options), opt_class(pieces, **options)
+        opt_pieces = opt_class(pieces, **options)
         for g in grads:
             whole.grad = g.clone()
             pieces[0].grad, pieces[1].grad = g.reshape(-1)[:7].clone(), g.reshape(-1)[7:].clone()
             opt_whole.step()
             opt_pieces.step()
-        return torch.allclose(
-            whole.detach().reshape(-1),
-            torch.cat([p.detach() for p in pieces]),
-            rtol=1e-6,
-            atol=1e-7,
-        )
-    except (
-        Exception
-    ):  # an optimizer that cannot step flat pieces (Muon: 2-D only) is not elementwise
+    except Exception:  # stepping flat pieces (Muon: 2-D only) or without a closure (LBFGS)
         return False
+    return torch.allclose(
+        whole.detach().reshape(-1), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7
+    )
 
 
 def global_grad_norm(

@@ -14,7 +14,7 @@ import torch
 
 from aligndp.optim.whole_matrix import WholeMatrixSpec
 
-__all__ = ["MUON", "MUON_OPTIONS", "newton_schulz_cost"]
+__all__ = ["MUON", "MUON_DEFAULTS", "MUON_OPTIONS", "newton_schulz_cost"]
 
 MUON_OPTIONS = (
     "lr",
@@ -42,5 +42,18 @@ def newton_schulz_cost(shape: Sequence[int]) -> float:
     return float(math.prod(shape))
 
 
-MUON = WholeMatrixSpec(torch.optim.Muon, cost=newton_schulz_cost, options=MUON_OPTIONS)
+MUON_DEFAULTS = (("adjust_lr_fn", "match_rms_adamw"),)
+"""[Note: one lr for Muon and AdamW]
+``parallelize(optimizer="muon", lr=x)`` gives ``x`` to Muon and to the AdamW of the other
+params. With torch's default ``adjust_lr_fn`` ("original": ``lr·sqrt(max(1, A/B))``) Muon
+wants a lr near 0.02, ten times an AdamW lr, and one shared lr either starves Muon or makes
+AdamW diverge (GPT-2 small: loss 10.97 -> 17.3 at 0.02). ``"match_rms_adamw"``
+(``lr·0.2·sqrt(max(A, B))``, as Moonlight and torchtitan scale it) gives Muon's update the
+RMS of an AdamW update, so one AdamW-sized lr serves both; it is aligndp's default.
+``muon_lr=`` / ``adamw_lr=`` set one part's lr, and ``adjust_lr_fn="original"`` with
+``muon_lr=0.02`` is Keller Jordan's two-lr setting."""
+
+MUON = WholeMatrixSpec(
+    torch.optim.Muon, cost=newton_schulz_cost, options=MUON_OPTIONS, defaults=MUON_DEFAULTS
+)
 """Muon on the hidden 2-D matrices (the default selector), AdamW on the rest."""

@@ -197,6 +197,8 @@ class ShardedPart(OptimizerPart):
                 {"params": masters or [torch.zeros(0, device=self._device)], **g.options}
             )
         self.inner = [opt_class(torch_groups, **optimizer_kwargs)]
+        mine = set(self.names)
+        self._group_names = [[n for n in g.names if n in mine] for g in groups]
         self._versions = {id(p.param): p.param._version for p in self.pieces if p.cast_back}
         self._prepared_at: int | None = None
 
@@ -320,7 +322,11 @@ class ShardedPart(OptimizerPart):
             for p in self.pieces
         }
         return sd | torch_state_to_model_space(
-            self.inner[0], self._piece_names, extents, elementwise=self.elementwise_state
+            self.inner[0],
+            self._piece_names,
+            extents,
+            elementwise=self.elementwise_state,
+            group_names=self._group_names,
         )
 
     @torch.no_grad()

@@ -63,6 +63,9 @@ class WholeMatrixSpec:
     select: MuonFilter | None = None
     """The params it steps: a predicate ``(name, param, module) -> bool`` or name patterns;
     None: the hidden 2-D matrices (aligndp/plan/routing.py); the rest go to AdamW."""
+    defaults: tuple[tuple[str, object], ...] = ()
+    """``(option, value)`` pairs aligndp passes unless the user gives the option (Muon:
+    ``adjust_lr_fn="match_rms_adamw"``, so that one lr serves it and AdamW)."""
     step_per_bucket: bool = True
     """True when ``step()`` may be called once per bucket (state kept per param, as torch's
     optimizers do), so each bucket's all-gather overlaps the next bucket's step; False: one
@@ -86,19 +89,25 @@ class WholeMatrixSpec:
 
 
 def split_kwargs(spec: WholeMatrixSpec, name: str, kwargs: dict) -> tuple[dict, dict]:
-    """``(whole_kwargs, adamw_kwargs)``: ``adamw_<x>`` keys go to AdamW as ``<x>``; ``lr`` to both
-    unless ``adamw_lr`` is given; every other key must be one of ``spec.options``."""
+    """``(whole_kwargs, adamw_kwargs)``: ``adamw_<x>`` keys go to AdamW as ``<x>``; ``lr`` to
+    both, unless ``<name>_lr`` (e.g. ``muon_lr``) or ``adamw_lr`` overrides it for one; every
+    other key must be one of ``spec.options``; ``spec.defaults`` fill what is not given."""
+    own_lr = f"{name.lower()}_lr"
     adamw = {k.removeprefix("adamw_"): v for k, v in kwargs.items() if k.startswith("adamw_")}
-    whole = {k: v for k, v in kwargs.items() if not k.startswith("adamw_")}
+    whole = {k: v for k, v in kwargs.items() if not k.startswith("adamw_") and k != own_lr}
     unknown = [] if spec.options is None else sorted(set(whole) - set(spec.options))
     if unknown:
         raise TypeError(
             f"unknown option(s) {unknown} for optimizer={name!r}: {spec.name} takes "
-            f"{list(spec.options or ())}; AdamW options take an 'adamw_' prefix (adamw_lr, "
-            "adamw_betas, adamw_weight_decay, ...)"
+            f"{list(spec.options or ())} and {own_lr}; AdamW options take an 'adamw_' prefix "
+            "(adamw_lr, adamw_betas, adamw_weight_decay, ...)"
         )
     if "lr" in whole:
         adamw.setdefault("lr", whole["lr"])
+    if own_lr in kwargs:
+        whole["lr"] = kwargs[own_lr]
+    for key, value in spec.defaults:
+        whole.setdefault(key, value)
     return whole, adamw
 
 

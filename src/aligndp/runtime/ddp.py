@@ -226,6 +226,7 @@ class DataParallel(GradSync, nn.Module):
         self._param_gather = None
         self._joined: _Join | None = None
         self._replaced = False
+        self._comm_hook: str | None = None
         self._claim_params(fused)
 
     # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
@@ -281,6 +282,14 @@ class DataParallel(GradSync, nn.Module):
             self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
         )
 
+    def wait_for_params(self) -> None:
+        """Wait for every param all-gather still in flight (``overlap_param_gather=True``). Any
+        read of a param already waits for its own gather ([Note: reads wait for the gather] in
+        wrapped_param.py); call this before reading through an alias taken before the step (a
+        view, a ``data_ptr()``) or to end the step's communication. A no-op otherwise."""
+        if self._param_gather is not None:
+            self._param_gather.wait_all()
+
     def forward(self, *args, **kwargs):
         if self._replaced:
             raise RuntimeError(
@@ -310,6 +319,17 @@ class DataParallel(GradSync, nn.Module):
         finally:
             self._joined = None
         joined.leave()  # only after a normal exit: after an error the peers are out of step
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """torch DDP's ``register_comm_hook``, once, for torch's own compression hooks with
+        ``sharding="none"``; other hooks and sharded modes are refused ([Note: comm hooks] in
+        aligndp/runtime/comm_hooks.py)."""
+        from aligndp.runtime.comm_hooks import with_comm_hook
+
+        if self._comm_hook is not None:
+            raise RuntimeError(f"register_comm_hook can only be called once; {self._comm_hook}")
+        self.collectives = with_comm_hook(self.collectives, state, hook, layouts=self.layouts)
+        self._comm_hook = f"{getattr(hook, '__qualname__', hook)} is registered"
 
     def remove_hooks(self) -> None:
         """Detach from the module (hooks and fused-wgrad sinks); buffers stay bound."""

@@ -10,8 +10,11 @@ Timeline with ``overlap=True`` (NCCL runs collectives on its own stream, gloo on
     forward:    pre-hook of module m waits only for the buckets holding m's own params,
                 so the first layers start while later buckets are still in flight.
 
-Anything that reads params outside forward (a checkpoint, an evaluation that bypasses the
-module, the next ``step()``) calls :meth:`ParamGather.wait_all` first.
+While a bucket's gather is in flight its params are *pending*
+([Note: reads wait for the gather] in wrapped_param.py): any read of one outside its module's
+forward (an EMA, a weight norm, an evaluation through another module) waits for that bucket
+first. The next ``step()``, checkpoints and ``model.wait_for_params()`` call
+:meth:`ParamGather.wait_all`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn as nn
 
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, TorchCollectives, Work
+from aligndp.runtime.wrapped_param import mark_pending, settle
 
 __all__ = ["ParamGather"]
 
@@ -63,6 +67,14 @@ class ParamGather:
         self.dp_size = self.collectives.dp_size
         self.overlap = overlap
         self._pending: dict[BucketKey, Work] = {}
+        self._key_of: dict[int, BucketKey] = {}
+        """id(param) -> the bucket holding it."""
+        self._members: dict[BucketKey, list[nn.Parameter]] = {}
+        """The params of each bucket (pending while its overlapped gather is in flight)."""
+        for i, buf in enumerate(self.buffers):
+            for p, s in zip(buf.params, buf.slots):
+                self._key_of[id(p)] = (i, s.bucket)
+                self._members.setdefault((i, s.bucket), []).append(p)
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
@@ -93,16 +105,8 @@ class ParamGather:
                 )
         return sorted(keys, key=lambda k: (first.get(k, len(position)), keys.index(k)))
 
-    def _bucket_of(self) -> dict[int, BucketKey]:
-        """id(param) -> the bucket holding it."""
-        return {
-            id(p): (i, s.bucket)
-            for i, buf in enumerate(self.buffers)
-            for p, s in zip(buf.params, buf.slots)
-        }
-
     def _install_hooks(self, module: nn.Module) -> None:
-        where = self._bucket_of()
+        where = self._key_of
         for m in module.modules():
             keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
             if keys:
@@ -127,6 +131,8 @@ class ParamGather:
         i, b = key
         if self.dp_size > 1:
             self._pending[key] = self.collectives.all_gather_shards(self.buffers[i].bucket_param(b))
+            if self.overlap:  # [Note: reads wait for the gather] in wrapped_param.py
+                mark_pending(self._members.get(key, ()), self)
 
     def wait(self, keys: Iterable[BucketKey]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""
@@ -134,6 +140,14 @@ class ParamGather:
             work = self._pending.pop(key, None)
             if work is not None:
                 work.wait()
+                if self.overlap:
+                    settle(self._members.get(key, ()))
+
+    def wait_for(self, param: nn.Parameter) -> None:
+        """Wait for the gather of the bucket holding ``param`` (a pending param being read)."""
+        key = self._key_of.get(id(param))  # my params are alive: their ids are theirs
+        if key is not None:
+            self.wait((key,))
 
     def wait_all(self) -> None:
         """Wait for every gather still in flight: call before reading params outside forward."""
@@ -141,13 +155,7 @@ class ParamGather:
 
     def pending_params(self) -> set:
         """The params of every bucket whose gather is still in flight."""
-        pending = set(self._pending)
-        return {
-            p
-            for i, buf in enumerate(self.buffers)
-            for p, s in zip(buf.params, buf.slots)
-            if (i, s.bucket) in pending
-        }
+        return {p for key in self._pending for p in self._members.get(key, ())}
 
     @property
     def in_flight(self) -> int:

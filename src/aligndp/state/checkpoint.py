@@ -1,12 +1,14 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP) that reshard across dp sizes.
 
 [Note: model-space state] (aligndp/state/model_space.py) names every entry by param name; the
-file holds ``model.<name>``, ``optim.state.<name>.<key>``, ``optim.param_groups``,
-``buffers.<name>`` and the sidecar ``aligndp.json`` (step, param shapes, dp_size of the writer).
+file is a plain DCP checkpoint in torch's layout ([Note: checkpoint format] in DESIGN.md):
+``model.<key>`` for every key of the module's ``state_dict()``, ``optim.state.<name>.<key>``,
+``optim.param_groups.<i>.<option>``, and the sidecar ``aligndp.json`` (format, step, param
+shapes, dp_size of the writer, a CRC-32 per file).
 
-Writes are sharded (aligndp/state/dcp_io.py): each rank writes only the elements it owns
-and DCP's load planner reads any other cut of them. The file checks live in
-aligndp/state/checkpoint_files.py.
+Writes are sharded (aligndp/state/dcp_io.py): each rank writes only the elements it owns, as
+chunks of the full-shape tensor, and DCP's load planners read any other cut of them. The file
+checks live in aligndp/state/checkpoint_files.py.
 
 Atomicity: everything is written into ``<path>.partial``; after every rank has finished
 (barrier) rank 0 moves the old ``path`` aside, renames the new one into place and deletes
@@ -19,13 +21,14 @@ the old one. A save that raises part-way leaves ``path`` untouched.
 - A user's file is never renamed or deleted: ``path``, ``<path>.partial`` and ``<path>.old``
   are replaced only when they are aligndp checkpoint directories (``aligndp.json`` or DCP
   files inside) or empty directories; anything else is a ``ValueError`` before any write.
-- A failed write (disk full, permissions) removes ``<path>.partial`` and raises one
-  ``OSError`` line naming the reason and the file, on every rank.
+- A failed write (disk full, a file-size limit, permissions) removes ``<path>.partial`` and
+  raises one ``OSError`` line naming the reason and the file, on every rank.
 - Before reading, every rank checks ``aligndp.json``, ``.metadata`` and that every shard file
-  exists and is as long as the metadata says; the ranks share their findings (one
-  ``all_gather_object``) and all raise the same one-line ``ValueError`` naming the file.
-- Module buffers and frozen params (``buffers.<name>``) are written by rank 0 only, so the
-  checkpoint holds rank 0's copy (as wrapping broadcast it), never another rank's.
+  exists and is as long as the metadata says, and its share of the files against their
+  CRC-32; the ranks share their findings (one ``all_gather_object``) and all raise the same
+  one-line ``ValueError`` naming the file.
+- Module buffers and frozen params are written by rank 0 only, so the checkpoint holds rank
+  0's copy (as wrapping broadcast it), never another rank's.
 - ``prune_checkpoints(directory, keep_last)`` deletes all but the newest ``step-N``
   checkpoints of a directory (``aligndp train --keep-last``).
 """
@@ -33,29 +36,35 @@ the old one. A save that raises part-way leaves ``path`` untouched.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from aligndp.runtime.agreement import expect_all_ranks
 from aligndp.runtime.ddp import DataParallel
 from aligndp.state.checkpoint_files import (
     FORMAT,
     META_FILE,
+    Writer,
     agreed,
     check_target,
+    file_checksum,
     first_os_error,
     on_rank_zero,
     os_error_line,
+    own_checksums,
     prune_checkpoints,
     read_dcp_metadata,
     read_meta,
 )
-from aligndp.state.dcp_io import ParamGroups, to_dcp
+from aligndp.state.dcp_io import Cut, PieceLoadPlanner, PieceSavePlanner
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -64,7 +73,6 @@ from aligndp.state.model_space import (
 
 __all__ = [
     "FlatPiece",
-    "ParamGroups",
     "load",
     "model_space_to_torch_state",
     "prune_checkpoints",
@@ -123,26 +131,47 @@ def _view(model: DataParallel, optimizer):
     )
 
 
-def _entries(model: DataParallel, view) -> dict[str, object]:
-    """The checkpoint's keys ([Note: model-space state]) from an optimizer's model-space dict."""
-    out: dict[str, object] = {}
+def _state(model: DataParallel, view) -> dict[str, object]:
+    """What DCP writes, nested as torch's ``{"model": get_model_state_dict(...), "optim":
+    get_optimizer_state_dict(...)}``: the module's own keys at full shape, this rank's pieces
+    as :class:`Cut` s ([Note: checkpoint format] in DESIGN.md)."""
+    shapes = _shapes(model)
+    values: dict[str, FlatPiece] = {}
+    state: dict[str, dict[str, object]] = {}
+    groups = None
     for key, value in view.model_space_state_dict().items():
         if key == "param_groups":
-            out["optim.param_groups"] = ParamGroups(value)
+            groups = value
         elif key.startswith("param."):
-            out["model." + key.removeprefix("param.")] = value
+            values[key.removeprefix("param.")] = value
         else:
-            out["optim." + key] = value
-    if dist.get_rank(model.process_group) == 0:  # rank 0's copy ([Note: checkpoint safety])
-        for name, t in _other_tensors(model).items():
-            out[f"buffers.{name}"] = t
-    return out
+            name, k = key.removeprefix("state.").rsplit(".", 1)
+            state.setdefault(name, {})[k] = (
+                Cut(value, shapes[name]) if isinstance(value, FlatPiece) else value
+            )
+    rank0 = dist.get_rank(model.process_group) == 0  # rank 0's copy ([Note: checkpoint safety])
+    module: dict[str, object] = {}
+    for key, t in model.module.state_dict(keep_vars=True).items():
+        name = model.param_names.get(t) if isinstance(t, torch.Tensor) else None
+        if name is not None:  # a trained param, under each of its names (tied weights too)
+            if name in values:
+                module[key] = Cut(values[name], shapes[name])
+        elif rank0:
+            module[key] = t.detach() if isinstance(t, torch.Tensor) else t
+    if groups is None:
+        return {"model": module}
+    return {"model": module, "optim": {"state": state, "param_groups": groups}}
+
+
+def _shapes(model: DataParallel) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in _named(model)}
 
 
 def _other_tensors(model: DataParallel) -> dict[str, torch.Tensor]:
     """The module's state that aligndp does not train (buffers, frozen params), as detached aliases.
 
-    A trained param reachable under a second name (tied weights) is saved once, as ``model.<name>``.
+    A trained param reachable under a second name (tied weights) is not among them: it is
+    saved under each name and read back once, under its first.
     """
     trained = {id(p) for p in model.param_names}
     return {
@@ -177,30 +206,24 @@ def save(
 
     on_rank_zero(clear_partial, group)
     # every rank raises the same error if one cannot express its state ([Note: checkpoint safety])
-    state = to_dcp(agreed(lambda: _entries(model, view), group), group)
-    failure = None
+    state = agreed(lambda: _state(model, view), group)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), process_group=group)
-    except (
-        CheckpointException
-    ) as e:  # a BaseException: `except Exception` in user code would miss it
-        failure = e
-    if failure is not None:
-        os_error = first_os_error(failure)
-        dist.barrier(group=group)  # every rank has stopped writing
-        if dist.get_rank(group) == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        dist.barrier(group=group)
-        first = next(iter(failure.failures.values()))[0]
-        reason = (
-            os_error_line(os_error) if os_error is not None else f"{type(first).__name__}: {first}"
+        dcp.save(
+            state,
+            storage_writer=Writer(partial),
+            planner=PieceSavePlanner(),
+            process_group=group,
         )
-        error = OSError if os_error is not None else RuntimeError
-        raise error(
-            f"saving checkpoint {path!r} failed on rank(s) {sorted(failure.failures)}: "
-            f"{reason}; nothing was left behind and the previous checkpoint there (if any) is "
-            "intact"
-        ) from None
+    except CheckpointException as e:  # a BaseException: `except Exception` in user code misses it
+        os_error, first = first_os_error(e), next(iter(e.failures.values()))[0]
+        reason = os_error_line(os_error) if os_error else f"{type(first).__name__}: {first}"
+        _discard(path, group, sorted(e.failures), reason, os_error=os_error is not None)
+    # each rank sums the files it wrote (hot in the page cache); rank 0 records them
+    sums: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sums, own_checksums(partial, dist.get_rank(group)), group=group)
+    failed = [r for r, (_, error) in enumerate(sums) if error is not None]
+    if failed:
+        _discard(path, group, failed, sums[failed[0]][1], os_error=True)
 
     def finish() -> None:
         meta = {
@@ -208,8 +231,10 @@ def save(
             "step": int(step),
             "dp_size": dist.get_world_size(group),
             "shapes": {n: list(p.shape) for n, p in _named(model)},
+            "checksums": {k: v for files, _ in sums for k, v in files.items()},
         }
         try:
+            meta["checksums"][".metadata"] = file_checksum(os.path.join(partial, ".metadata"))
             with open(os.path.join(partial, META_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
             old = path + ".old"
@@ -228,6 +253,19 @@ def save(
             ) from None
 
     on_rank_zero(finish, group)
+
+
+def _discard(path: str, group, ranks: list[int], reason: str, *, os_error: bool) -> NoReturn:
+    """Remove ``<path>.partial`` once every rank stopped writing, then raise the same line on
+    every rank: an ``OSError`` when the reason was one, else a ``RuntimeError``."""
+    dist.barrier(group=group)  # every rank has stopped writing
+    if dist.get_rank(group) == 0:
+        shutil.rmtree(path + ".partial", ignore_errors=True)
+    dist.barrier(group=group)
+    raise (OSError if os_error else RuntimeError)(
+        f"saving checkpoint {path!r} failed on rank(s) {ranks}: {reason}; nothing was left "
+        "behind and the previous checkpoint there (if any) is intact"
+    ) from None
 
 
 def _named(model: DataParallel) -> list[tuple[str, torch.nn.Parameter]]:
@@ -251,34 +289,40 @@ def _check_shapes(path: str, saved: dict[str, list[int]], model: DataParallel) -
         )
 
 
-def _templates(model: DataParallel, view, metadata) -> dict[str, object]:
-    """Zeroed entries cut to this rank's current ownership, for every saved key we read."""
-    numels = {n: p.numel() for n, p in _named(model)}
-    out: dict[str, object] = {}
+def _templates(
+    model: DataParallel, view, metadata: dict, with_optim: bool
+) -> tuple[dict[str, object], dict[str, Cut]]:
+    """What this rank reads: plain entries (module buffers in place, whole optimizer state,
+    param-group values) and zeroed :class:`Cut` s of its current ownership."""
+    shapes, others = _shapes(model), _other_tensors(model)
+    plain: dict[str, object] = {}
+    cuts: dict[str, Cut] = {}
+
+    def cut(key: str, name: str, md) -> None:
+        lo, hi = view.owned_range(name)
+        if hi > lo:
+            flat = torch.zeros(hi - lo, dtype=md.properties.dtype, device=model.device)
+            cuts[key] = Cut(FlatPiece(flat, lo, math.prod(shapes[name])), shapes[name])
+
     for key, md in metadata.items():
-        if key.startswith("model.") or key.startswith("optim.state."):
-            if key.startswith("model."):
-                name = key.removeprefix("model.")
-            else:
-                name = key.removeprefix("optim.state.").rsplit(".", 1)[0]
-            lo, hi = view.owned_range(name)
-            if hi <= lo:
-                continue
-            size = tuple(md.size)
-            if size == (numels[name],):
-                out[key] = FlatPiece(
-                    torch.zeros(hi - lo, dtype=md.properties.dtype, device=model.device),
-                    lo,
-                    size[0],
-                )
-            else:
-                out[key] = torch.zeros(size, dtype=md.properties.dtype)
-        elif key == "optim.param_groups":
-            out[key] = ParamGroups([])
-    for name, t in _other_tensors(model).items():
-        if f"buffers.{name}" in metadata:
-            out[f"buffers.{name}"] = t
-    return out
+        if key.startswith("model."):
+            name = key.removeprefix("model.")
+            if name in shapes:
+                cut(key, name, md)
+            elif name in others:  # a tied param's second name is read once, as its first
+                plain[key] = others[name]
+        elif not with_optim:
+            continue
+        elif key.startswith("optim.state."):
+            name = key.removeprefix("optim.state.").rsplit(".", 1)[0]
+            if tuple(md.size) == shapes[name]:  # per-element, or whole on its one owner
+                cut(key, name, md)
+            elif view.owned_range(name)[1] > 0:
+                plain[key] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+        elif key.startswith("optim.param_groups."):
+            is_tensor = isinstance(md, TensorStorageMetadata)
+            plain[key] = torch.empty(md.size, dtype=md.properties.dtype) if is_tensor else None
+    return plain, cuts
 
 
 def load(
@@ -300,15 +344,20 @@ def load(
     def check() -> tuple[dict, object]:
         meta = read_meta(path)
         _check_shapes(path, meta["shapes"], model)
-        return meta, read_dcp_metadata(path)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        return meta, read_dcp_metadata(path, meta["checksums"], share=(rank, size))
 
     meta, dcp_metadata = agreed(check, group)
     if hasattr(view, "gather"):
         view.gather.wait_all()
-    entries = _templates(model, view, dcp_metadata.state_dict_metadata)
-    state = to_dcp(entries, group)
+    plain, cuts = _templates(model, view, dcp_metadata.state_dict_metadata, optimizer is not None)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
+        dcp.load(
+            plain,
+            storage_reader=dcp.FileSystemReader(path),
+            planner=PieceLoadPlanner(cuts),
+            process_group=group,
+        )
     except CheckpointException as e:
         exc = next(iter(e.failures.values()))[0]
         raise ValueError(
@@ -316,14 +365,19 @@ def load(
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None
     sd: dict[str, object] = {}
-    for key, value in entries.items():
+    for key, c in cuts.items():
         if key.startswith("model."):
-            sd["param." + key.removeprefix("model.")] = value
-        elif key.startswith("optim."):
-            sd[key.removeprefix("optim.")] = (
-                state[key].groups if key == "optim.param_groups" else value
-            )
-    if optimizer is None:
-        sd.pop("param_groups", None)
+            sd["param." + key.removeprefix("model.")] = c.piece
+        else:
+            sd[key.removeprefix("optim.")] = c.piece
+    groups: dict[int, dict] = {}
+    for key, value in plain.items():
+        if key.startswith("optim.param_groups."):
+            i, k = key.removeprefix("optim.param_groups.").split(".", 1)
+            groups.setdefault(int(i), {})[k] = value
+        elif key.startswith("optim.state."):
+            sd[key.removeprefix("optim.")] = value
+    if optimizer is not None:
+        sd["param_groups"] = [groups[i] for i in sorted(groups)]
     view.load_model_space_state_dict(sd)
     return int(meta["step"])

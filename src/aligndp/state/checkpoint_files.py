@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import zlib
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -23,6 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 __all__ = [
     "FORMAT",
     "META_FILE",
+    "Writer",
+    "file_checksum",
+    "own_checksums",
     "agreed",
     "check_target",
     "first_os_error",
@@ -34,7 +38,8 @@ __all__ = [
     "read_meta",
 ]
 
-FORMAT = 1
+FORMAT = 2
+"""1: 1-D ShardedTensor pieces; 2: full-shape tensors a plain module loads, per-file checksums."""
 META_FILE = "aligndp.json"
 
 _DCP_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
@@ -88,6 +93,7 @@ def os_error_line(e: BaseException) -> str:
         errno.EACCES: "permission denied",
         errno.EPERM: "operation not permitted",
         errno.EROFS: "the file system is read-only",
+        errno.EFBIG: "a file would exceed the size limit (ulimit -f / RLIMIT_FSIZE)",
     }
     words = getattr(e, "strerror", None) or (str(e) or type(e).__name__).splitlines()[0]
     reason = reasons.get(getattr(e, "errno", None), words)
@@ -95,14 +101,65 @@ def os_error_line(e: BaseException) -> str:
     return f"{reason} ({where})" if where else reason
 
 
-def first_os_error(e: CheckpointException) -> BaseException | None:
-    for exc, _ in e.failures.values():
-        seen = exc
-        while seen is not None:
-            if isinstance(seen, OSError):
-                return seen
-            seen = seen.__cause__ or seen.__context__
+def _os_error_under(e: BaseException) -> OSError | None:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
     return None
+
+
+def first_os_error(e: CheckpointException) -> BaseException | None:
+    return next((os_e for exc, _ in e.failures.values() if (os_e := _os_error_under(exc))), None)
+
+
+class Writer(dcp.FileSystemWriter):
+    """DCP's file writer, raising the OSError under a failed write itself.
+
+    torch's zip writer turns a full disk into ``RuntimeError: ... unexpected pos`` with the
+    ``OSError`` only as its ``__context__``, which DCP loses when it sends a failure between
+    ranks (pickled); lifted here, the rank's failure *is* the OSError."""
+
+    def write_data(self, plan, planner):
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()  # a failure inside the future surfaces here too
+        except Exception as e:
+            raise _lifted(e, self.path) from e
+        return future
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as e:
+            raise _lifted(e, self.path) from e
+
+
+def _lifted(e: Exception, where) -> Exception:
+    os_error = _os_error_under(e)
+    if os_error is None or os_error is e:
+        return e
+    return OSError(os_error.errno, os_error.strerror, os_error.filename or os.fspath(where))
+
+
+def file_checksum(path: str) -> str:
+    """CRC-32 of a file's bytes (zlib's, about 3 GB/s), as 8 hex digits."""
+    crc, block = 0, bytearray(1 << 23)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            crc = zlib.crc32(memoryview(block)[:n], crc)
+    return f"{crc:08x}"
+
+
+def own_checksums(partial: str, rank: int) -> tuple[dict[str, str], str | None]:
+    """Checksums of the shard files ``rank`` wrote into ``partial`` (DCP names them
+    ``__<rank>_<n>.distcp``), or the one-line reason reading them failed."""
+    try:
+        names = [n for n in os.listdir(partial) if re.fullmatch(rf"__{rank}_\d+\.distcp", n)]
+        return {n: file_checksum(os.path.join(partial, n)) for n in names}, None
+    except OSError as e:
+        return {}, os_error_line(e)
 
 
 def prune_checkpoints(directory: str | os.PathLike, keep_last: int) -> list[str]:
@@ -155,7 +212,15 @@ def read_meta(path: str) -> dict:
             f"checkpoint file {meta_path!r} is damaged: {what}; the checkpoint cannot be "
             "trusted, load an earlier one"
         ) from None
-    missing = [k for k in ("step", "shapes") if not isinstance(meta, dict) or k not in meta]
+    if isinstance(meta, dict) and meta.get("format", FORMAT) != FORMAT:
+        raise ValueError(
+            f"checkpoint {path!r} is in aligndp checkpoint format {meta.get('format')!r} (1-D "
+            f"pieces, before full-shape tensors); this aligndp reads format {FORMAT} only: resume "
+            "it with the aligndp version that wrote it"
+        )
+    missing = [
+        k for k in ("step", "shapes", "checksums") if not isinstance(meta, dict) or k not in meta
+    ]
     if missing:
         raise ValueError(
             f"checkpoint file {meta_path!r} is damaged: it lacks {missing}; load an earlier "
@@ -164,14 +229,17 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def read_dcp_metadata(path: str):
-    """DCP's ``.metadata`` of ``path``, and a check that every shard file it names is whole."""
+def read_dcp_metadata(path: str, checksums: dict[str, str], *, share: tuple[int, int] = (0, 1)):
+    """DCP's ``.metadata`` of ``path``, and a check that every shard file it names is whole:
+    present, long enough, and (the ``share = (rank, world size)`` of files this rank reads
+    through) with the checksum ``save`` recorded."""
     metadata_path = os.path.join(path, ".metadata")
     if not os.path.isfile(metadata_path):
         raise ValueError(
             f"checkpoint file {metadata_path!r} is missing: the checkpoint is incomplete, load "
             "an earlier one"
         )
+    _check_sum(path, ".metadata", checksums)
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except (
@@ -207,7 +275,23 @@ def read_dcp_metadata(path: str):
                 f"checkpoint file {shard!r} is truncated: {size} bytes, the checkpoint's index "
                 f"needs {length}; load an earlier checkpoint"
             )
+    rank, size = share
+    for name in sorted(needed)[rank::size]:
+        _check_sum(path, name, checksums)
     return metadata
+
+
+def _check_sum(path: str, name: str, checksums: dict[str, str]) -> None:
+    where = os.path.join(path, name)
+    try:
+        found = file_checksum(where)
+    except OSError as e:
+        raise ValueError(f"checkpoint file {where!r} cannot be read: {os_error_line(e)}") from None
+    if found != checksums.get(name):
+        raise ValueError(
+            f"checkpoint file {where!r} is damaged: its CRC-32 is {found}, {META_FILE} recorded "
+            f"{checksums.get(name)} when it was saved; load an earlier checkpoint"
+        )
 
 
 def agreed(fn, group):

@@ -1,87 +1,150 @@
-"""Model-space entries as DCP state: whole tensors, or 1-D ``ShardedTensor`` s of pieces.
+"""Model-space pieces as chunks of plain full-shape DCP tensors ([Note: checkpoint format]).
 
-A piece that is not the whole tensor becomes one shard of a 1-D ``ShardedTensor`` (global
-metadata from one ``all_gather_object`` of piece extents, no per-tensor collective), so each
-rank writes only the elements it owns and DCP's load planner reads any other cut of them.
-Whole tensors (replicated params, whole optimizer state, scalars) are plain tensors that DCP
-deduplicates to one writer. ShardedTensor is deprecated in favour of DTensor, which cannot
-cut at arbitrary offsets.
+A rank's piece of a param (or of its per-element optimizer state) is a flat range
+``[lo, hi)`` of the row-major tensor. :func:`flat_range_chunks` cuts that range into
+rectangular chunks of the full-shape tensor (at most ``2 * ndim - 1``; at most three for a
+matrix: a partial first row, whole rows, a partial last row), each a contiguous slice of the
+piece. :class:`PieceSavePlanner` writes each rank's chunks as ``SHARD`` items of the full
+tensor, so DCP's metadata describes an ordinary tensor of the param's shape that each rank
+wrote part of; DCP's own planners read any cut of it (a plain ``nn.Module``'s state dict, or
+:class:`PieceLoadPlanner`'s pieces at another dp size).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import math
+from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
     TensorProperties,
 )
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from aligndp.state.model_space import FlatPiece
 
-__all__ = ["ParamGroups", "to_dcp"]
+__all__ = ["Cut", "PieceLoadPlanner", "PieceSavePlanner", "flat_range_chunks"]
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...]]
+"""(offsets, sizes) of a rectangular block of a tensor."""
 
 
-@dataclasses.dataclass
-class ParamGroups:
-    """Hyper-parameters of the optimizer's groups; one opaque DCP entry (DCP would flatten a bare
-    list)."""
+def flat_range_chunks(lo: int, hi: int, shape: tuple[int, ...]) -> list[Chunk]:
+    """Rectangular blocks covering the flat (row-major) elements ``[lo, hi)`` of a tensor of
+    ``shape`` exactly once, in flat order; each block is a contiguous flat range. Pure."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    rest = tuple(shape[1:])
 
-    groups: list[dict]
+    def within(row: int, a: int, b: int) -> list[Chunk]:  # [a, b) of one row (a slab)
+        return [((row, *o), (1, *s)) for o, s in flat_range_chunks(a, b, rest)]
 
-
-def to_dcp(entries: dict[str, object], group: dist.ProcessGroup | None) -> dict[str, object]:
-    """Turn FlatPieces into plain tensors (whole) or 1-D ShardedTensors (parts); one collective."""
-    mine = {
-        k: (v.offset, v.tensor.numel(), v.numel, str(v.tensor.dtype), str(v.tensor.device))
-        for k, v in entries.items()
-        if isinstance(v, FlatPiece)
-    }
-    everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine, group=group)
-    out = {k: v for k, v in entries.items() if not isinstance(v, FlatPiece)}
-    keys = sorted({k for d in everyone for k in d})
-    for key in keys:
-        shards = [(r, d[key]) for r, d in enumerate(everyone) if key in d and d[key][1] > 0]
-        local = entries.get(key)
-        if any(length == numel for _, (_, length, numel, _, _) in shards):
-            if local is not None and local.tensor.numel() == local.numel:
-                out[key] = local.tensor  # whole on every holder: DCP deduplicates
-            continue
-        out[key] = _sharded_tensor(key, shards, local, group)
+    first, last = -(-lo // inner), hi // inner  # whole rows [first, last)
+    if first > last:  # inside one row
+        return within(lo // inner, lo % inner, hi % inner)
+    out = within(lo // inner, lo % inner, inner) if lo % inner else []
+    if last > first:
+        out.append(((first, *(0,) * len(rest)), (last - first, *rest)))
+    if hi % inner:
+        out += within(last, 0, hi % inner)
     return out
 
 
-def _sharded_tensor(key: str, shards: list, local: FlatPiece | None, group) -> ShardedTensor:
-    """A 1-D ShardedTensor whose shards are the ranks' pieces, built without communication."""
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """A :class:`FlatPiece` of a tensor of full ``shape``: what a rank writes or reads of it."""
 
-    def global_rank(r: int) -> int:
-        return dist.get_global_rank(group, r) if group is not None else r
+    piece: FlatPiece
+    shape: tuple[int, ...]
 
-    metas = {
-        r: ShardMetadata([off], [length], placement=f"rank:{global_rank(r)}/{device}")
-        for r, (off, length, _, _, device) in shards
-    }
-    numel, dtype = shards[0][1][2], getattr(torch, shards[0][1][3].removeprefix("torch."))
-    props = TensorProperties(
-        dtype=dtype,
-        layout=torch.strided,
-        requires_grad=False,
-        memory_format=torch.contiguous_format,
-        pin_memory=False,
-    )
-    md = ShardedTensorMetadata(list(metas.values()), torch.Size([numel]), props)
-    rank = dist.get_rank(group)
-    local_shards = [Shard(local.tensor, metas[rank])] if local is not None and rank in metas else []
-    with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore"
-        )  # ShardedTensor is deprecated in favour of DTensor, which cannot cut at arbitrary offsets
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local_shards, md, process_group=group
-        )
+    def chunks(self) -> Iterator[tuple[ChunkStorageMetadata, torch.Tensor]]:
+        """Each block of the piece with its view into ``piece.tensor`` (shaped like the block)."""
+        flat, pos = self.piece.tensor, 0
+        for offsets, sizes in flat_range_chunks(
+            self.piece.offset, self.piece.offset + flat.numel(), self.shape
+        ):
+            n = math.prod(sizes)
+            yield (
+                ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                flat[pos : pos + n].view(sizes),
+            )
+            pos += n
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, plus :class:`Cut` values written as ``SHARD`` chunks of their
+    full-shape tensor (DCP's global plan joins every rank's chunks into one tensor's metadata
+    and checks they tile it). Nested dicts flatten as DCP's own planner flattens them."""
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._cuts = {k: v for k, v in self.state_dict.items() if isinstance(v, Cut)}
+        self.state_dict = {k: v for k, v in self.state_dict.items() if not isinstance(v, Cut)}
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for fqn, cut in self._cuts.items():
+            for chunk, view in cut.chunks():
+                self._views[(fqn, tuple(chunk.offsets))] = view
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, chunk.offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=chunk,
+                            properties=TensorProperties.create_from_tensor(view),
+                            size=torch.Size(cut.shape),
+                        ),
+                    )
+                )
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self._cuts:
+            return self._views[(index.fqn, tuple(index.offset))]
+        return super().lookup_object(index)
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner over a flat state dict, plus ``cuts`` (kept out of that dict:
+    DCP copies it) read from whatever chunks were saved, any other cut of the same tensor."""
+
+    def __init__(self, cuts: dict[str, Cut]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._cuts = cuts
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = []
+        for fqn, cut in self._cuts.items():
+            chunks = []
+            for chunk, view in cut.chunks():
+                self._views[(fqn, tuple(chunk.offsets))] = view
+                chunks.append(chunk)
+            items += create_read_items_for_chunk_list(
+                fqn, self.metadata.state_dict_metadata[fqn], chunks
+            )
+        return dataclasses.replace(plan, items=[*plan.items, *items])
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self._cuts:
+            return self._views[(index.fqn, tuple(index.offset))]
+        return super().lookup_tensor(index)

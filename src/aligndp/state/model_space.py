@@ -2,15 +2,15 @@
 
 [Note: model-space state]
 A checkpoint never mentions buffers, buckets or ranks: every entry is keyed by param name in
-model space, and per-element tensors are stored flattened to 1-D with the param's full numel:
+model space, at the param's full shape ([Note: checkpoint format] in DESIGN.md):
 
-    model.<name>                fp32 param values (the fp32 masters where they exist)
-    optim.state.<name>.<key>    per-element state (exp_avg, ...): (numel,); whole state
-                                (step, a preconditioner, a whole-matrix optimizer's momentum):
-                                its own shape
-    optim.param_groups          hyper-parameters of each group (no params, no impl flags)
-    buffers.<name>              the module's persistent non-param buffers
-    aligndp.json                step, param shapes, dp_size of the writer (a sidecar file)
+    model.<key>                     every key of the module's state_dict(): fp32 param values
+                                    (the fp32 masters where they exist), buffers
+    optim.state.<name>.<key>        per-element state (exp_avg, ...): the param's shape; whole
+                                    state (step, a preconditioner, a whole-matrix optimizer's
+                                    momentum): its own shape
+    optim.param_groups.<i>.<opt>    every option of each torch group; params: their names
+    aligndp.json                    format, step, param shapes, writer dp_size, CRC-32 per file
 
 An optimizer takes part through three methods (ShardedOptimizer and CompositeOptimizer have
 them; a bare torch optimizer, or none, gets them from an adapter in checkpoint.py):
@@ -34,7 +34,8 @@ import torch
 __all__ = ["FlatPiece", "torch_state_to_model_space", "model_space_to_torch_state"]
 
 _IMPL_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
-"""param_group keys that describe the implementation, not the maths: never restored."""
+"""param_group keys that describe the implementation, not the maths: saved (torch's own loaders
+expect every key) but never restored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +60,16 @@ def torch_state_to_model_space(
     extents: dict[str, tuple[int, int]],
     *,
     elementwise: bool,
+    group_names: list[list[str]] | None = None,
 ) -> dict[str, object]:
     """Model-space entries of a torch optimizer whose i-th param is the owned part of ``names[i]``.
 
     ``extents[name] = (offset, full numel)``. ``elementwise``: the part declares its state
     per-element, so tensors shaped like the (owned part of the) param become pieces; otherwise
-    every state tensor is whole.
+    every state tensor is whole. ``param_groups`` are torch's, every option included, with
+    ``params`` the names of each group's params on every rank (``group_names``; by default
+    ``names`` in ``inner``'s order, right when ``inner`` holds every param), as
+    ``get_optimizer_state_dict`` writes them.
     """
     params = [p for g in inner.param_groups for p in g["params"]][: len(names)]
     sd: dict[str, object] = {}
@@ -88,8 +93,12 @@ def torch_state_to_model_space(
                 )
             else:
                 sd[f"state.{name}.{key}"] = value.detach()
+    if group_names is None:
+        it = iter(names)
+        group_names = [[next(it) for _ in g["params"]] for g in inner.param_groups]
     sd["param_groups"] = [
-        {k: v for k, v in g.items() if k not in _IMPL_FLAGS} for g in inner.param_groups
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(group)}
+        for g, group in zip(inner.param_groups, group_names)
     ]
     return sd
 

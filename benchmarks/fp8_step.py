@@ -1,0 +1,351 @@
+"""FP8 training steps against the peers a user would pick instead, one GPU, one process (issue 23).
+
+Variants (``--variants``, comma-separated; ``+compile`` = ``torch.compile`` of the model):
+``bf16`` / ``bf16+compile`` (plain torch, fused AdamW), ``torchao+compile`` (torchao float8
+tensorwise with its own auto layer filter, when torchao is importable), and every aligndp recipe
+``fp8-tensor``, ``fp8``, ``mxfp8``, eager and ``+compile``, each converting the layers its default
+rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run). A recipe
+that converts no layer on this GPU is reported, not timed (its step is the bf16 step).
+All variants use aligndp's GPT preset, bf16 autocast, fp32 params; the aligndp ones go through
+``aligndp.parallelize`` (fused wgrad into the grad buffer, AdamW).
+
+Variants are built one at a time (a 1b model with AdamW state is ~15 GB): each is built,
+warmed (compiled) and timed for ``--rounds`` x ``--steps`` steps, in ``--passes`` passes over
+the variants in alternating order (default 1, to stay well inside 5 minutes at 1b; ``--passes
+2`` adds the reverse order); the figure is the best pass's median round.
+Usage: ``python benchmarks/fp8_step.py --preset gpt2-small`` (and ``--preset 1b``);
+``--smoke`` runs a CPU smoke test (demo preset, aot_eager, every layer) CI can afford.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from _bench import build_gpt
+
+import aligndp
+from aligndp.lowp import convert_to_mxfp8
+from aligndp.lowp.layer_rule import describe_plan
+from aligndp.lowp.linear import conversion_plan
+from aligndp.lowp.recipes import get_recipe
+from aligndp.models.gpt import PRESETS
+
+RECIPES = ("fp8-tensor", "fp8", "mxfp8")
+DEFAULT_VARIANTS = "bf16,bf16+compile,torchao+compile," + ",".join(
+    f"{r}{c}" for r in RECIPES for c in ("", "+compile")
+)
+
+
+SMOKE_VARIANTS = "bf16,bf16+compile,fp8-tensor,fp8-tensor+compile,mxfp8"
+
+
+@dataclasses.dataclass
+class Result:
+    """One variant's figures over the passes."""
+
+    ms: list[float] = dataclasses.field(default_factory=list)
+    """Median ms per step of each pass."""
+    loss: float = float("nan")
+    peak_gib: float = 0.0
+    note: str = ""
+    """Why it was not timed, or what it converted."""
+    converted: str = ""
+    """``k/n`` Linear layers converted (aligndp recipes)."""
+    host_ms: list[float] = dataclasses.field(default_factory=list)
+    """Median ms per step the host took to issue the steps (before the closing sync): near
+    ``ms`` when the step is host-bound."""
+    profile: dict = dataclasses.field(default_factory=dict)
+    """``--profile``: wall ms and per-kernel GPU ms per step (benchmarks/profile_ddp.py)."""
+
+    @property
+    def best(self) -> float:
+        return min(self.ms) if self.ms else float("nan")
+
+
+def torchao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build(variant: str, args, device: torch.device):
+    """(model, optimizer, note) for ``variant``; model None with a note when it is not timed."""
+    kind, _, compiled = variant.partition("+")
+    module = build_gpt(args.preset, device, torch.float32)
+    fused = device.type == "cuda"
+    note = ""
+    if kind == "bf16":
+        model, opt = module, torch.optim.AdamW(module.parameters(), lr=3e-4, fused=fused)
+    elif kind == "torchao":
+        if not torchao_available():
+            return None, None, "torchao is not importable"
+        from torchao.float8 import _auto_filter_for_recipe, convert_to_float8_training
+
+        convert_to_float8_training(
+            module, module_filter_fn=_auto_filter_for_recipe("tensorwise", ["head"])
+        )
+        model, opt = module, torch.optim.AdamW(module.parameters(), lr=3e-4, fused=fused)
+        note = "torchao auto filter (tensorwise), head kept"
+    elif kind in RECIPES:
+        recipe = get_recipe(kind)
+        backend = recipe.default_backend(device.type)
+        if backend is None:
+            return None, None, f"no {kind} backend on {device.type}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the no-fast-path warning: the note says it
+            plan = conversion_plan(module, recipe, layers=args.layers)
+        note = describe_plan(kind, plan)
+        if all(why for _, why in plan):
+            return None, None, note
+        note = f"{sum(not why for _, why in plan)}/{len(plan)}|{note}"
+        convert_to_mxfp8(module, backend=backend.name, layers=args.layers)
+        model, opt = aligndp.parallelize(
+            module, optimizer="adamw", lr=3e-4, wgrad=kind, process_group=args.process_group
+        )
+    else:
+        raise SystemExit(f"unknown variant {variant!r}: choose from {DEFAULT_VARIANTS}")
+    if compiled:
+        if compiled != "compile":
+            raise SystemExit(f"variant {variant!r}: the only suffix is +compile")
+        model = torch.compile(model, backend=args.compile_backend)
+    return model, opt, note
+
+
+def step(model, opt, x, y, device_type: str) -> torch.Tensor:
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variant(variant: str, args, device: torch.device, result: Result) -> None:
+    cfg = PRESETS[args.preset]
+    gen = torch.Generator().manual_seed(0)
+
+    def batch():
+        return torch.randint(cfg.vocab_size, (2, args.batch, cfg.seq_len), generator=gen).to(device)
+
+    model, opt, note = build(variant, args, device)
+    result.converted, _, result.note = note.rpartition("|")
+    if model is None:
+        return
+    for _ in range(args.warmup):
+        step(model, opt, *batch(), device.type)
+    sync(device)
+    rounds, issued = [], []
+    for _ in range(args.rounds):
+        xs = [batch() for _ in range(args.steps)]
+        sync(device)
+        t0 = time.perf_counter()
+        for x, y in xs:
+            loss = step(model, opt, x, y, device.type)
+        issued.append((time.perf_counter() - t0) / args.steps * 1e3)
+        sync(device)
+        rounds.append((time.perf_counter() - t0) / args.steps * 1e3)
+    result.ms.append(statistics.median(rounds))
+    result.host_ms.append(statistics.median(issued))
+    if args.profile and device.type == "cuda" and variant not in result.profile:
+        from profile_ddp import profile_steps
+
+        xs = iter([batch() for _ in range(4)])
+        result.profile = profile_steps(
+            lambda: step(model, opt, *next(xs), "cuda"), steps=3, warmup=1
+        )
+    result.loss = loss.item()
+    if device.type == "cuda":
+        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run(args) -> dict[str, Result]:
+    device = torch.device(args.device)
+    variants = args.variants.split(",")
+    results = {v: Result() for v in variants}
+    for p in range(args.passes):
+        for v in variants if p % 2 == 0 else variants[::-1]:
+            t0 = time.perf_counter()
+            try:
+                time_variant(v, args, device, results[v])
+            except Exception as e:  # one variant failing must not lose the others' figures
+                results[v].note = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            free(device)
+            r = results[v]
+            print(
+                f"pass {p} {v}: {r.ms[-1:] or '-'} ms ({time.perf_counter() - t0:.0f} s) {r.note}",
+                flush=True,
+            )
+    return results
+
+
+def table(args, results: dict[str, Result]) -> list[str]:
+    def ratio(v: str, base: str) -> str:
+        b = results.get(base)
+        if b is None or not b.ms or not results[v].ms:
+            return "-"
+        return f"{results[v].best / b.best:.3f}"
+
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    cfg = PRESETS[args.preset]
+    rows = [
+        f"# fp8_step {args.preset} {datetime.date.today()} on {name}, torch {torch.__version__}",
+        "",
+        f"batch {args.batch} x {cfg.seq_len} tokens, bf16 autocast, fp32 params, AdamW, 1 process; "
+        f"best of {args.passes} passes of the median of {args.rounds} rounds x {args.steps} steps; "
+        f"layers: {args.layers}",
+        "",
+        "| variant | ms/step | host ms/step | / bf16 eager | / bf16+compile | / torchao+compile "
+        "| loss | peak GiB | FP8 layers |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for v, r in results.items():
+        rows.append(
+            f"| {v} | {r.best:.1f} | {min(r.host_ms, default=float('nan')):.1f} | "
+            f"{ratio(v, 'bf16')} | {ratio(v, 'bf16+compile')} | "
+            f"{ratio(v, 'torchao+compile')} | {r.loss:.3f} | {r.peak_gib:.1f} | "
+            f"{r.converted or ('-' if r.ms else 'not timed')} |"
+        )
+    notes = dict.fromkeys(
+        f"- {v.partition('+')[0]}: {r.note}" for v, r in results.items() if r.note
+    )
+    return rows + ["", *notes]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--layers", default="pays", choices=["pays", "all"])
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="passes over the variants, alternating order (each rebuilds and recompiles, from "
+        "Inductor's cache after the first; 1 keeps a 1b run near 3 minutes on H200)",
+    )
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--out", default="", help="also write the table to this file")
+    ap.add_argument(
+        "--profile",
+        default="",
+        metavar="JSON",
+        help="CUDA only: also profile 3 steps of each variant after its first timing and write "
+        "wall ms, GPU ms per kernel class and per kernel to this file (adds seconds, not minutes)",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU smoke run: demo preset, batch 2, aot_eager, every layer, 1 pass of 1 x 2 steps",
+    )
+    args = ap.parse_args(argv)
+    args.process_group = None
+    if args.smoke:
+        args.device, args.preset, args.batch, args.layers = "cpu", "demo", 2, "all"
+        args.compile_backend, args.passes, args.rounds, args.steps = "aot_eager", 1, 1, 2
+        args.warmup = 1
+        if args.variants == DEFAULT_VARIANTS:  # mxfp8+compile: tests/test_mx_compile.py
+            args.variants = SMOKE_VARIANTS
+    return args
+
+
+def run_all_rows(ctx, group) -> list:
+    """benchmarks/run_all.py's rows of issue 23's goals at ``--mx-preset``, on rank 0 alone
+    (``group``): one pass; on CPU (``--smoke``) only the per-tensor recipe compiled, by
+    aot_eager on every layer, beside bf16 eager (a smoke test of the path, no figure)."""
+    from run_all_table import FP8_ROWS, Goal, Row
+
+    if ctx.args.skip_fp8_step:
+        return [Row(key, skipped="--skip-fp8-step") for key in FP8_ROWS]
+    cpu = ctx.device.type == "cpu"
+    argv = ["--preset", ctx.args.mx_preset, "--batch", str(ctx.args.batch), "--passes", "1"]
+    argv += ["--rounds", str(ctx.args.mx_rounds), "--steps", str(ctx.args.mx_steps)]
+    argv += ["--variants", "bf16,fp8-tensor+compile" if cpu else "bf16,torchao+compile"]
+    if cpu:
+        argv += ["--smoke"]
+    else:
+        argv[-1] += ",fp8-tensor+compile,fp8+compile"
+    args = parse_args(argv)
+    args.process_group = group
+    res = run(args)
+    base, peer = res["bf16"], res.get("torchao+compile")
+    rows = []
+    for key, variant, against, goal in (
+        ("fp8.tensor_compile.vs_torchao", "fp8-tensor+compile", peer, Goal("<=", 1.0, "ratio")),
+        ("fp8.tensor_compile.vs_bf16", "fp8-tensor+compile", base, Goal("<=", 0.80, "ratio")),
+        ("fp8.blockwise_compile.vs_bf16", "fp8+compile", base, Goal("<=", 0.85, "ratio")),
+    ):
+        r = res.get(variant)
+        if cpu:  # the path ran (aot_eager, every layer); no figure to report
+            ran = f"smoke: {variant} {r.best:.1f} ms on CPU" if r is not None and r.ms else ""
+            rows.append(Row(key, skipped=f"needs CUDA; {ran or (r.note if r else variant)}"))
+            continue
+        if r is None or not r.ms or against is None or not against.ms:
+            why = (r.note if r else "") or (against.note if against else "") or "not run"
+            rows.append(Row(key, skipped=why))
+            continue
+        rows.append(
+            Row(
+                key,
+                r.best,
+                "ms",
+                against.best,
+                "peer step, ms",
+                goal,
+                note=f"{args.preset}, FP8 layers {r.converted}, loss {r.loss:.3f}",
+            )
+        )
+    return rows
+
+
+def main(argv=None) -> dict[str, Result]:
+    args = parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(1)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = run(args)
+    finally:
+        dist.destroy_process_group()
+    rows = table(args, results)
+    print("\n".join(rows), flush=True)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            json.dump({v: r.profile for v, r in results.items() if r.profile}, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(rows) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""MX layers under torch.compile ([Note: compiled MX layers] in aligndp/lowp/ops.py).
+
+Every recipe's converted model compiles with no graph break, with a grad sink bound, and the
+compiled step gives what the eager step gives: the same ATen ops run (``aot_eager``), so the
+outputs, input grads and the ``main_grad`` views are equal bit for bit, and the sink sees the
+same write-then-accumulate sequence and the same ``mark_ready`` calls. The eager path is the
+one checked against torchao and nn.Linear (tests/test_mx_linear.py, test_recipe_fp8_tensor.py).
+The fake impls of the Triton ops are checked against the reference quantiser's shapes here and
+against the real kernels on a GPU (``torch.library.opcheck``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from aligndp.lowp import convert_to_mxfp8
+from aligndp.lowp.mx_format import quantize_mxfp8
+from aligndp.plan.fused import GradTarget, fused_wgrad_modules
+from aligndp.runtime.buffer import aligned_empty
+
+CUDA = torch.cuda.is_available()
+NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Hopper)")
+CPU_BACKENDS = ("reference", "fp8-tensor")  # mxfp8's CPU backend and fp8-tensor's
+GPU_BACKENDS = ("triton", "fp8", "fp8-tensor")  # every recipe's CUDA backend
+
+
+class Sink:
+    """A grad sink as DataParallel's behaves: a view holds nothing until its first
+    ``mark_ready`` (so the kernel must overwrite it), then accumulates; records the calls."""
+
+    def __init__(self, views: dict):
+        self.views, self.ready = views, []
+
+    def grad_target(self, param):
+        written = any(p is param for p in self.ready)
+        return GradTarget(self.views[param], accumulate=written)
+
+    def mark_ready(self, param):
+        self.ready.append(param)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64, bias=False)
+        self.head = nn.Linear(64, 32)  # the last Linear: never converted
+
+    def forward(self, x):
+        h = x + self.down(torch.nn.functional.gelu(self.up(x)))
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))  # each layer used twice
+        return self.head(h).float().square().mean()
+
+
+def converted(backend: str, device: str):
+    """The net converted for ``backend`` with a fresh-view sink bound (views 256-byte aligned,
+    as DataParallel's are), and the sink."""
+    torch.manual_seed(0)
+    model = convert_to_mxfp8(Net().to(device), backend=backend, layers="all")
+    layers = fused_wgrad_modules(model)
+    assert [n for n, _ in layers] == ["up", "down"]
+    views = {}
+    for _, layer in layers:
+        flat = aligned_empty(
+            layer.weight.numel(), dtype=torch.float32, device=device, align_bytes=256
+        )
+        views[layer.weight] = flat.view_as(layer.weight).fill_(float("nan"))  # stale: garbage
+    sink = Sink(views)
+    for _, layer in layers:
+        layer.bind_grad_sink(sink)
+    return model, sink
+
+
+def forward(model, x):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        return model(x)
+
+
+def run_twice(model, sink, x, fn):
+    """Two backwards (the second accumulates); what the sink and the grads hold after."""
+    losses = []
+    for scale in (1.0, 0.5):
+        loss = fn(model, x * scale)
+        loss.backward()
+        losses.append(loss.detach())
+    names = {id(p): n for n, p in model.named_parameters()}
+    return (
+        losses,
+        [names[id(p)] for p in sink.ready],
+        {names[id(p)]: v.clone() for p, v in sink.views.items()},
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        x.grad.clone(),
+    )
+
+
+def same(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    """Equal bits (``rel`` 0), or a relative norm difference of at most ``rel``."""
+    if rel == 0:
+        return torch.equal(a, b)
+    return ((a.double() - b.double()).norm() <= rel * b.double().norm()).item()
+
+
+def check_compiled_like_eager(backend: str, device: str, compile_backend: str, rel: float = 0.0):
+    x = torch.randn(64, 64, device=device, requires_grad=True)  # 64 tokens: two MX blocks
+    eager_model, eager_sink = converted(backend, device)
+    expected = run_twice(eager_model, eager_sink, x, forward)
+    x.grad = None
+    model, sink = converted(backend, device)
+    explain = torch._dynamo.explain(forward)(model, x)  # traces forward and backward
+    assert explain.graph_break_count == 0, [str(b.reason)[:200] for b in explain.break_reasons]
+    assert not sink.ready  # explain ran no backward
+    torch._dynamo.reset()
+    got = run_twice(model, sink, x, torch.compile(forward, backend=compile_backend))
+    torch._dynamo.reset()
+    losses, ready, views, grads, x_grad = got
+    assert (
+        ready == expected[1] == ["down.weight", "up.weight"] * 4
+    )  # two layers, two uses, two backwards
+    assert set(grads) == {"up.bias", "head.weight", "head.bias"}  # no weight grad beside the sink
+    assert same(torch.stack(losses), torch.stack(expected[0]), rel)
+    for name, view in views.items():
+        assert same(view, expected[2][name], rel), name
+    for name, grad in grads.items():
+        assert same(grad, expected[3][name], rel), name
+    assert same(x_grad, expected[4], rel)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_step_has_no_graph_break_and_matches_eager(backend):
+    """aot_eager runs the traced graph op by op: equal bits to eager. Fails with a graph break
+    at the sink, or (without ``has_side_effect``) with main_grad left NaN: the fused-wgrad op
+    returns nothing and would be dropped as dead code."""
+    check_compiled_like_eager(backend, "cpu", "aot_eager")
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_compiled_step_on_gpu(backend):
+    check_compiled_like_eager(backend, "cuda", "aot_eager")
+
+
+@NEEDS_CUDA
+def test_inductor_on_gpu():
+    """The one Inductor case: the per-tensor quantise becomes Inductor's own fused kernels.
+    Its division may round differently from torch's in the last bit, flipping an element's
+    E4M3 rounding (one step, 2**-3 relative) on rare elements: a handful among each tensor's
+    8192 moves a norm by well under 1e-2."""
+    check_compiled_like_eager("fp8-tensor", "cuda", "inductor", rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "block, mx, rowwise, colwise",
+    [(32, True, True, True), (128, False, True, True), (32, True, False, True)],
+)
+def test_quantize_fake_impl_has_the_reference_quantisers_shapes(block, mx, rowwise, colwise):
+    """[Note: operand layout]: row-wise (data, scale_t) = (q(x, dim=-1).data, q(x, dim=-1).scale.T),
+    column-wise = (q(x, dim=0).data.T, q(x, dim=0).scale); scales uint8 E8M0 for MXFP8, float32
+    for 1x128. The fake impl must give exactly those shapes and dtypes without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(256, 384)
+    ref_row, ref_col = (
+        quantize_mxfp8(x, dim=-1, block_size=block),
+        quantize_mxfp8(x, dim=0, block_size=block),
+    )
+    scale_dtype = torch.uint8 if mx else torch.float32
+    expected = []
+    if rowwise:
+        expected += [(ref_row.data.shape, ref_row.data.dtype), (ref_row.scale.T.shape, scale_dtype)]
+    if colwise:
+        expected += [(ref_col.data.T.shape, ref_col.data.dtype), (ref_col.scale.shape, scale_dtype)]
+    with FakeTensorMode() as mode:
+        out = torch.ops.aligndp.quantize_rc(mode.from_tensor(x), block, mx, rowwise, colwise)
+    assert [(t.shape, t.dtype) for t in out] == expected
+
+
+def test_gemm_fake_impl_has_the_gemms_shape():
+    """``A (M, K) @ B (N, K).T`` is (M, N) in the asked dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(96, 256, dtype=torch.float8_e4m3fn)
+        b = torch.empty(160, 256, dtype=torch.float8_e4m3fn)
+        sa, sb = torch.empty(2, 96), torch.empty(2, 160)
+        out = torch.ops.aligndp.scaled_mm(a, sa, b, sb, 128, False, torch.bfloat16, None)
+    assert (out.shape, out.dtype) == (torch.Size([96, 160]), torch.bfloat16)
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("block, mx", [(32, True), (128, False)])
+def test_triton_ops_pass_opcheck(block, mx):
+    """torch's own check of a custom op: the fake impl against the real kernel, schema,
+    autograd registration."""
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.aligndp.quantize_rc, (x, block, mx, True, True))
+    row = torch.ops.aligndp.quantize_rc(x, block, mx, True, False)
+    w = torch.ops.aligndp.quantize_rc(x[:128], block, mx, True, False)
+    torch.library.opcheck(
+        torch.ops.aligndp.scaled_mm, (row[0], row[1], w[0], w[1], block, mx, torch.bfloat16, None)
+    )
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo group for this module only (other modules start their own)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_compiled_data_parallel_trains_like_eager(one_rank):
+    """Through the real grad sink (aligndp.parallelize, one rank): three AdamW steps of the
+    fp8-tensor net compiled (aot_eager) leave the params equal bit for bit to the eager run's,
+    so every fused wgrad reached its bucket (written, then added) and was reduced in the
+    compiled backward. A dropped or unmarked wgrad would leave its weight unstepped or
+    stale-zero."""
+    import aligndp
+
+    x = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(5))
+    finals = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        net = convert_to_mxfp8(Net(), backend="fp8-tensor", layers="all")
+        model, opt = aligndp.parallelize(net, optimizer="adamw", lr=1e-2, wgrad="fp8-tensor")
+        fwd = torch.compile(forward, backend="aot_eager") if compiled else forward
+        for step in range(3):
+            fwd(model, x[step]).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append({n: p.detach().clone() for n, p in net.named_parameters()})
+        torch._dynamo.reset()
+    eager, compiled = finals
+    torch.manual_seed(0)
+    start = dict(Net().named_parameters())
+    for name, value in compiled.items():
+        assert torch.equal(value, eager[name]), name
+        assert not torch.equal(value, start[name]), f"{name} was never stepped"
+
+
+def test_identical_layers_compiled_one_by_one_share_one_graph():
+    """Per-block compilation (``block.compile()``), as large models do to keep compile times
+    short: four identical fp8-tensor layers on one sink compile once, no recompile (the
+    fused-wgrad op finds its layer by the weight's address, not by a per-layer constant that
+    Dynamo would guard on), and each layer's wgrad lands in its own view, as in eager."""
+    from torch._dynamo.utils import counters
+
+    def layers_and_sink():
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Linear(64, 16))
+        convert_to_mxfp8(net, backend="fp8-tensor", layers="all")
+        views = {}
+        for layer in list(net)[:4]:
+            flat = aligned_empty(64 * 64, dtype=torch.float32, device="cpu", align_bytes=256)
+            views[layer.weight] = flat.view(64, 64)
+        sink = Sink(views)
+        for layer in list(net)[:4]:
+            layer.bind_grad_sink(sink)
+        return net, sink
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    eager, eager_sink = layers_and_sink()
+    eager(x).square().sum().backward()
+    net, sink = layers_and_sink()
+    for layer in list(net)[:4]:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        net(x).square().sum().backward()
+    torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [id(p) for p in sink.ready] == [id(layer.weight) for layer in list(net)[3::-1]]
+    for layer, ref in zip(list(net)[:4], list(eager)[:4]):
+        assert torch.equal(sink.views[layer.weight], eager_sink.views[ref.weight])
