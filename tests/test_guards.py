@@ -15,7 +15,7 @@ import pytest
 from aligndp.app import cli
 
 
-def crash_on_rank1(config):
+def crash_on_rank1(config, recipe=None):
     """Entry point of the launched ranks (replaces train_loop.launched_worker): rank 1 dies
     at once, by an exception or by a hard exit; rank 0 would wait for it (it is killed by
     the launcher when rank 1 fails)."""
