@@ -169,8 +169,11 @@ def train(config: TrainConfig) -> dict:
             result = train_worker(config)
         else:
             from aligndp.app.train_loop import launched_worker
+            from aligndp.lowp.recipes import get_recipe
 
-            result = launch_local(launched_worker, config.nproc, config)[0]
+            # the ranks are fresh interpreters: a recipe registered at runtime goes with them
+            recipe = get_recipe(config.wgrad)
+            result = launch_local(launched_worker, config.nproc, config, recipe)[0]
     finally:
         for lock in locks:
             lock.release()
