@@ -14,6 +14,7 @@ import aligndp
 from aligndp.optim.sharded import ShardedOptimizer, check_elementwise, owned_segments
 from aligndp.plan.layout import plan_layout
 from aligndp.plan.spec import Mode, ParamSpec
+from aligndp.runtime.step_state import BucketRef
 from tests._dist import case, make_tests
 from tests.models import (
     ADAMW_GAIN,
@@ -335,8 +336,10 @@ def case_param_gather_runs_in_forward_order(rank, ws):
     assert len(layout.buckets) > 2
     first_bucket = layout.param("emb.weight").bucket
     assert first_bucket == len(layout.buckets) - 1, "reverse registration order puts emb last"
-    assert opt.gather.order[0] == (0, first_bucket)
-    assert [b for _, b in opt.gather.order] == sorted(range(len(layout.buckets)), reverse=True)
+    assert opt.gather.order[0] == BucketRef(0, first_bucket)
+    assert [ref.bucket for ref in opt.gather.order] == sorted(
+        range(len(layout.buckets)), reverse=True
+    )
     loss_of(model, *batch(0, rank, ws)).backward()
     opt.step()
     with torch.no_grad():

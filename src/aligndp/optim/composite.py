@@ -25,9 +25,9 @@ from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm, globa
 from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
-from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.param_gather import ParamGather
+from aligndp.runtime.step_state import BucketRef
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 
-BucketStepped = Callable[[FlatBuffer, int], None]
-"""``(buffer, bucket)``: the composite's hook that starts that bucket's param all-gather."""
+BucketStepped = Callable[[BucketRef], None]
+"""The composite's hook that starts that bucket's param all-gather."""
 
 
 class OptimizerPart(abc.ABC):
@@ -84,7 +84,7 @@ class OptimizerPart(abc.ABC):
     @abc.abstractmethod
     def step_owned(self, bucket_stepped: BucketStepped) -> None:
         """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
-        bucket calls ``bucket_stepped(buffer, bucket)`` after each of its buckets, so that
+        bucket calls ``bucket_stepped(ref)`` after each of its buckets, so that
         bucket's all-gather overlaps the next one's step; the composite gathers the rest."""
 
     @abc.abstractmethod
@@ -174,13 +174,12 @@ class BucketGather(ParamGather):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._launched: set[tuple[int, int]] = set()
+        self._launched: set[BucketRef] = set()
 
-    def launch_stepped(self, buffer: FlatBuffer, bucket: int) -> None:
+    def launch_stepped(self, ref: BucketRef) -> None:
         """Start the gather of a bucket the optimizer has just stepped."""
-        key = (next(i for i, b in enumerate(self.buffers) if b is buffer), bucket)
-        self.launch_bucket(key)
-        self._launched.add(key)
+        self.launch_bucket(ref)
+        self._launched.add(ref)
 
     def launch_rest(self) -> None:
         """Start every bucket not started yet, in forward order; wait for all unless overlapping
@@ -229,15 +228,14 @@ class CompositeOptimizer(DataParallelOptimizer):
         """Steps skipped on every rank for non-finite gradients (``on_nonfinite="skip"``)."""
         self.routing = routing
         """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
-        gathered = [b for b in model.flat_buffers if b.param_data is not None]
         self.gather = BucketGather(
-            gathered,
+            model.flat_buffers,
             group=model.process_group,
             module=model.module,
             overlap=overlap_param_gather,
             collectives=model.collectives,
         )
-        if gathered:
+        if any(b.param_data is not None for b in model.flat_buffers):
             model.attach_param_gather(self.gather)
         model.reduction_listeners.append(self._on_reduced)
 

@@ -40,6 +40,7 @@ from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
+from aligndp.runtime.step_state import BucketRef
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -181,17 +182,17 @@ class WholeMatrixPart(OptimizerPart):
         self._visible: dict[int, torch.Tensor | None] | None = None
         self._prepared_at: int | None = None
         index = {id(p): i for i, p in enumerate(self.params)}
-        self._buckets = [  # (buffer, bucket, indices of its params), in gather order
+        self._buckets = [  # (bucket, indices of its params), in bucket order
             (
-                buf,
-                b,
+                BucketRef(i, b),
                 [
                     index[id(p)]
                     for p, s in zip(buf.params, buf.slots)
                     if s.bucket == b and id(p) in index
                 ],
             )
-            for buf in model.buffers_for(Mode.LAYERWISE)
+            for i, buf in enumerate(model.flat_buffers)
+            if buf.layout.mode is Mode.LAYERWISE
             for b in range(len(buf.layout.buckets))
         ]
 
@@ -261,17 +262,17 @@ class WholeMatrixPart(OptimizerPart):
     def step_owned(self, bucket_stepped: BucketStepped) -> None:
         """2. step owned: the torch optimizer steps exactly the params that have a ``.grad``, so
         each bucket's grads are handed over in turn (or all at once without
-        ``step_per_bucket``); masters are cast back. 3. all-gather: ``bucket_stepped(buffer,
-        bucket)`` starts each bucket's gather as soon as it is stepped."""
+        ``step_per_bucket``); masters are cast back. 3. all-gather: ``bucket_stepped(ref)`` starts
+        each bucket's gather as soon as it is stepped."""
         grads = {i: self.targets[i].grad for i in self.owned if self.targets[i].grad is not None}
         for i in grads:
             self.targets[i].grad = None
         if not self.spec.step_per_bucket:
             self._step(list(grads), grads)
-        for buf, bucket, members in self._buckets:
+        for ref, members in self._buckets:
             if self.spec.step_per_bucket:
                 self._step(members, grads)
-            bucket_stepped(buf, bucket)
+            bucket_stepped(ref)
         for i, grad in (self._visible or {}).items():
             self.params[i].grad = grad  # as the DataParallel published it ([Note: step states])
         self._visible = None

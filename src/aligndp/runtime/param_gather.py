@@ -26,16 +26,19 @@ import torch.nn as nn
 
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, TorchCollectives, Work
+from aligndp.runtime.step_state import BucketRef
 from aligndp.runtime.wrapped_param import mark_pending, settle
 
 __all__ = ["ParamGather"]
 
-BucketKey = tuple[int, int]
-"""(index into the gatherer's buffers, bucket index)."""
-
 
 class ParamGather:
-    """Launches and tracks per-bucket param all-gathers of the buffers it is given."""
+    """Launches and tracks per-bucket param all-gathers of the buffers that hold params.
+
+    Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef`, the key the gradient
+    side uses: ``buffers`` are the model's ``flat_buffers`` in order (``BucketRef.buffer``
+    indexes them); those without ``param_data`` (replicated) hold no params to gather.
+    """
 
     def __init__(
         self,
@@ -48,12 +51,6 @@ class ParamGather:
     ) -> None:
         """``module`` (the wrapped model) is needed only when ``overlap`` installs pre-hooks;
         ``collectives``: the model's backend bound to ``group`` (default: torch's)."""
-        for buf in buffers:
-            if buf.param_data is None:
-                raise ValueError(
-                    f"a {buf.layout.mode.value} buffer without param_data cannot be all-gathered; "
-                    "only sharded and layerwise buffers hold params"
-                )
         if overlap and module is None:
             raise ValueError("overlap=True waits in forward pre-hooks: pass the wrapped module")
         if collectives is not None and collectives.group is not group:
@@ -66,22 +63,24 @@ class ParamGather:
         self.collectives = collectives if collectives is not None else TorchCollectives(group)
         self.dp_size = self.collectives.dp_size
         self.overlap = overlap
-        self._pending: dict[BucketKey, Work] = {}
-        self._key_of: dict[int, BucketKey] = {}
+        self._pending: dict[BucketRef, Work] = {}
+        self._key_of: dict[int, BucketRef] = {}
         """id(param) -> the bucket holding it."""
-        self._members: dict[BucketKey, list[nn.Parameter]] = {}
+        self._members: dict[BucketRef, list[nn.Parameter]] = {}
         """The params of each bucket (pending while its overlapped gather is in flight)."""
         for i, buf in enumerate(self.buffers):
+            if buf.param_data is None:
+                continue
             for p, s in zip(buf.params, buf.slots):
-                self._key_of[id(p)] = (i, s.bucket)
-                self._members.setdefault((i, s.bucket), []).append(p)
+                self._key_of[id(p)] = BucketRef(i, s.bucket)
+                self._members.setdefault(BucketRef(i, s.bucket), []).append(p)
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
         if overlap and self.dp_size > 1:
             self._install_hooks(module)
 
-    def _forward_order(self, module: nn.Module | None) -> list[BucketKey]:
+    def _forward_order(self, module: nn.Module | None) -> list[BucketRef]:
         """Buckets sorted by the earliest-registered param they hold.
 
         Layouts put params in reverse registration order (≈ backward order), so the first
@@ -90,19 +89,18 @@ class ParamGather:
         Without a module, each buffer's buckets are simply reversed.
         """
         keys = [
-            (i, b)
+            BucketRef(i, b)
             for i, buf in enumerate(self.buffers)
+            if buf.param_data is not None
             for b in reversed(range(len(buf.layout.buckets)))
         ]
         if module is None:
             return keys
         position = {id(p): n for n, p in enumerate(module.parameters())}
-        first = {}
-        for i, buf in enumerate(self.buffers):
-            for p, s in zip(buf.params, buf.slots):
-                first[(i, s.bucket)] = min(
-                    first.get((i, s.bucket), len(position)), position.get(id(p), len(position))
-                )
+        first = {
+            key: min(position.get(id(p), len(position)) for p in members)
+            for key, members in self._members.items()
+        }
         return sorted(keys, key=lambda k: (first.get(k, len(position)), keys.index(k)))
 
     def _install_hooks(self, module: nn.Module) -> None:
@@ -125,16 +123,16 @@ class ParamGather:
         if not self.overlap:
             self.wait_all()
 
-    def launch_bucket(self, key: BucketKey) -> None:
+    def launch_bucket(self, key: BucketRef) -> None:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
-        i, b = key
         if self.dp_size > 1:
-            self._pending[key] = self.collectives.all_gather_shards(self.buffers[i].bucket_param(b))
+            buf = self.buffers[key.buffer]
+            self._pending[key] = self.collectives.all_gather_shards(buf.bucket_param(key.bucket))
             if self.overlap:  # [Note: reads wait for the gather] in wrapped_param.py
                 mark_pending(self._members.get(key, ()), self)
 
-    def wait(self, keys: Iterable[BucketKey]) -> None:
+    def wait(self, keys: Iterable[BucketRef]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""
         for key in keys:
             work = self._pending.pop(key, None)

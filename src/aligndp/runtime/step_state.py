@@ -20,9 +20,10 @@ from aligndp.runtime.grads import ShardedGrad
 __all__ = ["BucketRef", "StepState", "OwnedRange", "GradSlot", "RoundReport", "grad_slots"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class BucketRef:
-    """One bucket of one buffer."""
+    """One bucket of one buffer: the one bucket key of the gradient reduction and the param
+    gather (ordered buffer-major, as buckets launch)."""
 
     buffer: int
     """Index into ``DataParallel.flat_buffers``."""
