@@ -216,7 +216,7 @@ def report_state(opt, model, *, nparams: int, ws: int, master_weights: bool | No
     """Optimizer bytes (fp32 masters that are copies + state) per rank vs the ideal
     total / dp_size: AdamW's two moments in the master's dtype, plus the fp32 master where one
     is kept."""
-    masters = sum(p.master.numel() * 4 for p in opt.pieces if p.cast_back)
+    masters = sum(p.master.numel() * 4 for p in opt.masters if p.cast_back)
     mine = state_bytes(opt.inner[0]) + masters
     scalar = sum(
         t.numel() * t.element_size()

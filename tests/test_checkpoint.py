@@ -135,8 +135,8 @@ def case_bf16_resume_is_exact(rank, ws):
     train(again, again_opt, range(SAVED_AT, TOTAL))
     for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):
         assert torch.equal(p, q), f"{n} differs after resuming"
-    for a, b in zip(opt.pieces, again_opt.pieces):
-        assert torch.equal(a.master, b.master), f"{a.segment.name}: fp32 master differs"
+    for a, b in zip(opt.masters, again_opt.masters):
+        assert torch.equal(a.master, b.master), f"{a.piece.name}: fp32 master differs"
 
 
 @case(2)
@@ -170,7 +170,7 @@ def case_bf16_without_masters_resume(rank, ws):
         state = [s for inner in again_opt.inner for s in inner.state.values()]
         assert state and all(s["exp_avg"].dtype == state_dtype for s in state), what
         if masters:
-            assert all(p.cast_back and p.master.dtype == torch.float32 for p in again_opt.pieces)
+            assert all(p.cast_back and p.master.dtype == torch.float32 for p in again_opt.masters)
             continue  # fp32 masters: other numerics from here on (tests/test_zero1.py)
         train(again, again_opt, range(SAVED_AT, TOTAL))
         for (n, p), q in zip(model.module.named_parameters(), again.module.parameters()):

@@ -309,7 +309,7 @@ def case_bf16_without_masters_bitwise_equal_to_replicated(rank, ws):
         for i in muon.owned:
             assert (muon.targets[i] is not muon.params[i]) == kept, muon.names[i]
             assert muon.state_of(muon.names[i])["momentum_buffer"].dtype == state_dtype
-        assert all(p.cast_back == kept for p in adamw.pieces)
+        assert all(p.cast_back == kept for p in adamw.masters)
         assert all(s["exp_avg"].dtype == state_dtype for s in adamw.inner[0].state.values())
     names = list(dict(make_net(HUGE).named_parameters()))
     for n, a, b in zip(names, runs["none", None], runs["zero1", False]):

@@ -84,7 +84,7 @@ def case_zero1_param_groups(rank, ws):
         make_net(BASE), sharding="zero1", lr=1e-2, bucket_numel=300, param_groups=groups
     )
     assert {layout.mode for layout in model.layouts} == {Mode.SHARDED}
-    owned = sum(p.segment.numel for p in opt.pieces)
+    owned = sum(p.piece.numel for p in opt.masters)
     total = [torch.tensor([owned])]
     dist.all_reduce(total[0])
     assert int(total[0]) == sum(p.numel() for p in model.module.parameters())

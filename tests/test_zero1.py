@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aligndp
-from aligndp.optim.sharded import ShardedOptimizer, check_elementwise, owned_segments
+from aligndp.optim.sharded import ShardedOptimizer, check_elementwise
 from aligndp.plan.layout import plan_layout
 from aligndp.plan.spec import Mode, ParamSpec
 from aligndp.runtime.step_state import BucketRef
@@ -171,11 +171,11 @@ def bf16_against_fp32_masters(grad_dtype: torch.dtype | None, *, mean_bound: flo
                 p.copy_(m)
         assert_replicas_identical(model.module)
         assert all(p.dtype == torch.bfloat16 for p in model.module.parameters())
-    ours = {p.segment.name: p for p in opt.pieces}
+    ours = {p.piece.name: p for p in opt.masters}
     diffs = []
     for (n, _), m in zip(model.module.named_parameters(), masters):
         if n in ours:
-            seg = ours[n].segment
+            seg = ours[n].piece
             diffs.append(
                 (ours[n].master - m.reshape(-1)[seg.offset : seg.offset + seg.numel]).abs()
             )
@@ -257,15 +257,15 @@ def case_bf16_without_masters_equals_torch_ddp(rank, ws):
         )
         differ = params_differing(model.module, theirs.module)
         assert not differ, f"grad_dtype {grad_dtype}: {differ} differ from torch DDP + AdamW"
-        assert opt.pieces, "every rank owns a part of this model"
-        for p in opt.pieces:
-            view = p.buffer.param_data[p.segment.start : p.segment.end]
+        assert opt.masters, "every rank owns a part of this model"
+        for p in opt.masters:
+            view = p.buffer.param_data[p.piece.start : p.piece.end]
             assert not p.cast_back and p.master.data_ptr() == view.data_ptr(), (
-                f"{p.segment.name}: the master must be the param_data view itself"
+                f"{p.piece.name}: the master must be the param_data view itself"
             )
         assert state_dtypes(opt) == {torch.bfloat16}, state_dtypes(opt)
     model, opt, theirs = bf16_zero1_and_torch_ddp(master_weights=None, same_batch=same_batch)
-    assert all(p.cast_back and p.master.dtype == torch.float32 for p in opt.pieces)
+    assert all(p.cast_back and p.master.dtype == torch.float32 for p in opt.masters)
     assert state_dtypes(opt) == {torch.float32}, state_dtypes(opt)
     assert params_differing(model.module, theirs.module), (
         "fp32 masters round differently from torch's bf16 step; this comparison must see it"
@@ -308,7 +308,7 @@ class Tiny(nn.Module):
 @case(4)
 def case_fewer_params_than_ranks(rank, ws):
     model, opt = aligndp.parallelize(Tiny(), sharding="zero1", lr=1e-1)
-    owned = sum(p.segment.numel for p in opt.pieces)
+    owned = sum(p.piece.numel for p in opt.masters)
     assert owned == (4 if rank == 0 else 0), f"rank {rank} owns {owned} elements"
     ref = Tiny()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
@@ -417,8 +417,8 @@ def case_bf16_weight_writes_reach_the_fp32_masters_exactly(rank, ws):
 # ---- single-process tests ----
 
 
-def test_owned_segments_partition_real_elements():
-    """Over all ranks, owned segments cover every real element of every buffer exactly once."""
+def test_owned_pieces_partition_real_elements():
+    """Over all ranks, owned pieces cover every real element of every buffer exactly once."""
     rng = random.Random(0)
     for trial in range(60):
         specs = [
@@ -430,7 +430,7 @@ def test_owned_segments_partition_real_elements():
         layout = plan_layout(specs, dp_size=dp_size, mode=Mode.SHARDED, bucket_numel=bucket)
         count = torch.zeros(layout.padded_numel, dtype=torch.int32)
         for rank in range(dp_size):
-            for s in owned_segments(layout, rank=rank):
+            for s in layout.owned_pieces(rank):
                 lo, hi = layout.shard_range(s.bucket, rank)
                 assert lo <= s.start < s.end <= hi
                 slot = layout.param(s.name)
@@ -440,7 +440,7 @@ def test_owned_segments_partition_real_elements():
         for p in layout.params:
             real[p.start : p.end] = 1
         assert torch.equal(count, real), (
-            f"trial {trial}: owned segments do not partition the real elements"
+            f"trial {trial}: owned pieces do not partition the real elements"
         )
 
 

@@ -1,15 +1,12 @@
 """ZeRO-1: torch's own elementwise optimizer stepping only this rank's slices of sharded buffers.
 
-[Note: owned segments]
-Rank r owns slice r of every bucket of a sharded buffer (``layout.shard_range(bucket, r)``).
-A param may straddle two slices and a slice may hold only padding, so this rank's share of
-one param is the intersection of the param's ``[start, end)`` with its slice: at most one
-:class:`OwnedSegment` per param and rank (a param lies in one bucket; a slice is contiguous).
-Padding is never stepped — only real elements have segments — so over all ranks the
-segments partition the real elements of every buffer exactly once, which is also what lets
-a checkpoint write each element once (aligndp/state/checkpoint.py).
+Rank r owns slice r of every bucket of a sharded buffer; its share of one param is an
+:class:`~aligndp.plan.slots.OwnedPiece` (``layout.owned_pieces(rank)``, [Note: owned pieces]
+in DESIGN.md). Padding is never stepped — only real elements are in pieces — so over all
+ranks the pieces partition the real elements of every buffer exactly once, which is also
+what lets a checkpoint write each element once (aligndp/state/checkpoint.py).
 
-Each segment gets a master tensor the torch optimizer steps ([Note: master weights]): for
+Each piece gets a master tensor the torch optimizer steps ([Note: master weights]): for
 fp32 params, and for every param with ``master_weights=False``, the master *is* the
 ``param_data`` view (no copy, no cast back); for 16-bit params with ``master_weights=True``
 (the default of ``sharding="zero1"``) it is a view of one fp32 flat tensor per buffer, cast
@@ -37,7 +34,7 @@ import torch
 from aligndp.optim.base import is_elementwise, resolve_optimizer_class
 from aligndp.optim.composite import BucketStepped, CompositeOptimizer, OptimizerPart
 from aligndp.optim.groups import ParamGroup
-from aligndp.plan.slots import BufferLayout
+from aligndp.plan.slots import OwnedPiece
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
@@ -49,47 +46,11 @@ from aligndp.state.model_space import (
 )
 
 __all__ = [
-    "OwnedSegment",
-    "owned_segments",
     "check_elementwise",
     "keeps_fp32_master",
     "ShardedPart",
     "ShardedOptimizer",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class OwnedSegment:
-    """This rank's part of one param: buffer elements ``[start, end)`` = flat param ``[offset,
-    offset + numel)``."""
-
-    name: str
-    index: int
-    """The param's registration index within its buffer (``ParamSlot.index``)."""
-    bucket: int
-    start: int
-    end: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-
-def owned_segments(layout: BufferLayout, *, rank: int) -> tuple[OwnedSegment, ...]:
-    """Rank's real elements of a sharded buffer, one segment per param it (partly) owns. Pure."""
-    if layout.mode is not Mode.SHARDED:
-        raise ValueError(f"owned_segments needs a sharded layout, got mode {layout.mode.value!r}")
-    if not 0 <= rank < layout.dp_size:
-        raise ValueError(f"rank {rank} is outside dp_size {layout.dp_size}")
-    segments = []
-    for b in range(len(layout.buckets)):
-        lo, hi = layout.shard_range(b, rank)
-        for p in layout.params_in_bucket(b):
-            start, end = max(p.start, lo), min(p.end, hi)
-            if start < end:
-                segments.append(OwnedSegment(p.name, p.index, b, start, end, start - p.start))
-    return tuple(segments)
 
 
 def check_elementwise(opt_class: type[torch.optim.Optimizer], options: dict | None = None) -> None:
@@ -122,10 +83,11 @@ def keeps_fp32_master(param_dtype: torch.dtype, *, master_weights: bool) -> bool
 
 
 @dataclasses.dataclass
-class _Piece:
-    """A segment bound to tensors: the param it belongs to, its buffer, its master."""
+class _Master:
+    """What the optimizer steps for one owned piece: its master, bound to the param it belongs
+    to and its buffer (the piece itself is plain data: :class:`~aligndp.plan.slots.OwnedPiece`)."""
 
-    segment: OwnedSegment
+    piece: OwnedPiece
     param: torch.nn.Parameter
     buffer: FlatBuffer
     master: torch.Tensor
@@ -184,48 +146,44 @@ class ShardedPart(OptimizerPart):
         check_elementwise(opt_class, optimizer_kwargs)
         for g in groups:
             check_elementwise(opt_class, optimizer_kwargs | g.options)
-        pieces = [piece for buf in self.buffers for piece in self._bind(buf, group_of)]
-        self.pieces = sorted(
-            pieces, key=lambda p: p.group
-        )  # group-major: the inner optimizer's param order
+        masters = [m for buf in self.buffers for m in self._bind(buf, group_of)]
+        self.masters = sorted(masters, key=lambda m: m.group)  # group-major: inner param order
         self._piece_names: list[str | None] = []
         torch_groups = []
         for i, g in enumerate(groups):
-            masters = [p.master for p in self.pieces if p.group == i]
-            self._piece_names += [p.segment.name for p in self.pieces if p.group == i] or [None]
+            masters = [p.master for p in self.masters if p.group == i]
+            self._piece_names += [p.piece.name for p in self.masters if p.group == i] or [None]
             torch_groups.append(
                 {"params": masters or [torch.zeros(0, device=self._device)], **g.options}
             )
         self.inner = [opt_class(torch_groups, **optimizer_kwargs)]
         mine = set(self.names)
         self._group_names = [[n for n in g.names if n in mine] for g in groups]
-        self._versions = {id(p.param): p.param._version for p in self.pieces if p.cast_back}
+        self._versions = {id(p.param): p.param._version for p in self.masters if p.cast_back}
         self._prepared_at: int | None = None
 
     @property
     def _device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
 
-    def _bind(self, buf: FlatBuffer, group_of: dict[str, int]) -> list[_Piece]:
-        segments = owned_segments(buf.layout, rank=self.rank)
+    def _bind(self, buf: FlatBuffer, group_of: dict[str, int]) -> list[_Master]:
+        owned = buf.layout.owned_pieces(self.rank)
         params = {s.index: p for p, s in zip(buf.params, buf.slots)}
         if not keeps_fp32_master(buf.layout.param_dtype, master_weights=self.master_weights):
             flat, cursor = None, None  # masters are the param_data views themselves
         else:
-            flat = torch.empty(
-                sum(s.numel for s in segments), dtype=torch.float32, device=buf.device
-            )
+            flat = torch.empty(sum(s.numel for s in owned), dtype=torch.float32, device=buf.device)
             cursor = 0
-        pieces = []
-        for s in segments:
+        masters = []
+        for s in owned:
             if flat is None:
                 master = buf.param_data[s.start : s.end]
             else:
                 master = flat[cursor : cursor + s.numel]
                 master.copy_(buf.param_data[s.start : s.end])
                 cursor += s.numel
-            pieces.append(
-                _Piece(
+            masters.append(
+                _Master(
                     s,
                     params[s.index],
                     buf,
@@ -234,11 +192,11 @@ class ShardedPart(OptimizerPart):
                     group=group_of[s.name],
                 )
             )
-        return pieces
+        return masters
 
     # ---- the part interface (aligndp/optim/composite.py) ----
     def on_reduced(self) -> None:
-        for p in self.pieces:
+        for p in self.masters:
             p.master.grad = p.sharded_grad if self.model.has_grad(p.param) else None
 
     @torch.no_grad()
@@ -248,12 +206,12 @@ class ShardedPart(OptimizerPart):
         ``p.data`` access is noted by the DataParallel) give their fp32 masters the new values
         (elements still equal to the master's cast keep the master), so the step does not
         write old weights back."""
-        for p in self.pieces:
+        for p in self.masters:
             if p.cast_back and (
                 p.param._version != self._versions[id(p.param)]
                 or p.param in self.model.data_touched
             ):
-                refresh_master(p.master, p.buffer.param_data[p.segment.start : p.segment.end])
+                refresh_master(p.master, p.buffer.param_data[p.piece.start : p.piece.end])
                 self._versions[id(p.param)] = p.param._version
 
     @torch.no_grad()
@@ -263,16 +221,16 @@ class ShardedPart(OptimizerPart):
         if self._prepared_at == self.model.reductions:
             return
         self._refresh_masters()
-        for p in self.pieces:
+        for p in self.masters:
             if self.model.has_grad(p.param):
-                g = p.buffer.grad_data[p.segment.start : p.segment.end]
+                g = p.buffer.grad_data[p.piece.start : p.piece.end]
                 p.master.grad = g if g.dtype == p.master.dtype else g.to(p.master.dtype)
             else:
                 p.master.grad = None
         self._prepared_at = self.model.reductions
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.master.grad for p in self.pieces if p.master.grad is not None]
+        return [p.master.grad for p in self.masters if p.master.grad is not None]
 
     @torch.no_grad()
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -285,7 +243,7 @@ class ShardedPart(OptimizerPart):
 
     @torch.no_grad()
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        torch.nn.utils.clip_grads_with_norm_([p.master for p in self.pieces], max_norm, total_norm)
+        torch.nn.utils.clip_grads_with_norm_([p.master for p in self.masters], max_norm, total_norm)
 
     @torch.no_grad()
     def step_owned(self, bucket_stepped: BucketStepped) -> None:
@@ -293,33 +251,33 @@ class ShardedPart(OptimizerPart):
         (one step over every bucket: the composite gathers them all afterwards)."""
         self.prepare_grads()
         self.inner[0].step()
-        low = [p for p in self.pieces if p.cast_back]
+        low = [p for p in self.masters if p.cast_back]
         if low:
             torch._foreach_copy_(
-                [p.buffer.param_data[p.segment.start : p.segment.end] for p in low],
+                [p.buffer.param_data[p.piece.start : p.piece.end] for p in low],
                 [p.master for p in low],
             )
-        for p in self.pieces:
+        for p in self.masters:
             p.master.grad = None  # never leave an alias of grad_data behind
         self._prepared_at = None
 
     # ---- model-space state ([Note: model-space state] in aligndp/state/model_space.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened param ``name`` this rank steps; ``(0, 0)`` if none."""
-        for p in self.pieces:
-            if p.segment.name == name:
-                return p.segment.offset, p.segment.offset + p.segment.numel
+        for p in self.masters:
+            if p.piece.name == name:
+                return p.piece.lo, p.piece.hi
         return 0, 0
 
     def model_space_state_dict(self) -> dict[str, object]:
         """Owned params (fp32, whatever the master's dtype) and optimizer state keyed by param
         name; see aligndp/state/checkpoint.py."""
-        extents = {p.segment.name: (p.segment.offset, p.param.numel()) for p in self.pieces}
+        extents = {p.piece.name: (p.piece.offset, p.param.numel()) for p in self.masters}
         sd: dict[str, object] = {
-            f"param.{p.segment.name}": FlatPiece(
-                p.master.detach().float(), p.segment.offset, p.param.numel()
+            f"param.{p.piece.name}": FlatPiece(
+                p.master.detach().float(), p.piece.offset, p.param.numel()
             )
-            for p in self.pieces
+            for p in self.masters
         }
         return sd | torch_state_to_model_space(
             self.inner[0],
@@ -333,10 +291,10 @@ class ShardedPart(OptimizerPart):
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
         """Inverse of :meth:`model_space_state_dict` for this rank's (possibly different) ownership;
         the composite all-gathers afterwards."""
-        for p in self.pieces:
-            piece = sd[f"param.{p.segment.name}"]
+        for p in self.masters:
+            piece = sd[f"param.{p.piece.name}"]
             p.master.copy_(piece.tensor)
-            p.buffer.param_data[p.segment.start : p.segment.end].copy_(p.master)
+            p.buffer.param_data[p.piece.start : p.piece.end].copy_(p.master)
         model_space_to_torch_state(self.inner[0], self._piece_names, sd)
 
 
@@ -368,5 +326,5 @@ class ShardedOptimizer(CompositeOptimizer):
         )
 
     @property
-    def pieces(self) -> list[_Piece]:
-        return self.parts[0].pieces
+    def masters(self) -> list[_Master]:
+        return self.parts[0].masters

@@ -13,7 +13,7 @@ import torch
 
 from aligndp.plan.spec import Mode, OwnerCost, Requirement, max_over_mean
 
-__all__ = ["ParamSlot", "BucketSlot", "BufferLayout", "padding_totals"]
+__all__ = ["ParamSlot", "BucketSlot", "OwnedPiece", "BufferLayout", "padding_totals"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,34 @@ class BucketSlot:
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedPiece:
+    """A rank's piece of one param: buffer elements ``[start, end)`` are the flattened param's
+    ``[lo, hi)`` (``lo = offset``). The one type for it everywhere ([Note: owned pieces] in
+    DESIGN.md); empty (``start == end``) where the rank owns nothing of the param."""
+
+    name: str
+    index: int
+    """The param's registration index within its buffer (``ParamSlot.index``)."""
+    bucket: int
+    start: int
+    end: int
+    offset: int
+    """Where ``start`` lies in the flattened param."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def lo(self) -> int:
+        return self.offset
+
+    @property
+    def hi(self) -> int:
+        return self.offset + self.numel
 
 
 def padding_totals(layouts: Iterable[BufferLayout]) -> tuple[int, int]:
@@ -105,6 +133,27 @@ class BufferLayout:
 
     def params_in_bucket(self, bucket: int) -> tuple[ParamSlot, ...]:
         return tuple(p for p in self.params if p.bucket == bucket)
+
+    def owned_piece(self, param: ParamSlot, rank: int) -> OwnedPiece:
+        """``param`` intersected with rank's shard of its bucket (the whole param when
+        replicated; possibly empty: a param may straddle shards, a shard may hold only
+        padding)."""
+        lo, hi = self.shard_range(param.bucket, rank)
+        start = min(max(param.start, lo), param.end)
+        end = max(min(param.end, hi), start)
+        return OwnedPiece(param.name, param.index, param.bucket, start, end, start - param.start)
+
+    def owned_pieces(self, rank: int) -> tuple[OwnedPiece, ...]:
+        """Rank's real elements, one non-empty piece per param it (partly) owns, in layout
+        order; over all ranks of a sharded layout they partition the real elements once."""
+        if not 0 <= rank < self.dp_size:
+            raise ValueError(f"rank {rank} is outside dp_size {self.dp_size}")
+        pieces = (
+            self.owned_piece(p, rank)
+            for b in range(len(self.buckets))
+            for p in self.params_in_bucket(b)
+        )
+        return tuple(piece for piece in pieces if piece.numel)
 
     def rank_costs(self, cost: OwnerCost | None = None) -> list[float]:
         """Owner cost each rank steps (layerwise mode; zeros otherwise): the costs recorded

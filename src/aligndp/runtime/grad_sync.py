@@ -219,7 +219,7 @@ class GradSync(Reduction):
                     slot.view.copy_(grad.view_as(slot.view))
                 self._used.add(p)
             else:  # own shard x dp_size, zeros elsewhere: the next mean adds the new mean to it
-                lo, hi = slot.owned
+                lo, hi = slot.owned.lo, slot.owned.hi
                 flat[:lo].zero_()
                 flat[hi:].zero_()
                 flat[lo:hi].mul_(self.dp_size)

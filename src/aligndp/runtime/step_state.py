@@ -8,16 +8,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
+from aligndp.plan.slots import OwnedPiece
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.grads import ShardedGrad
 
-__all__ = ["BucketRef", "StepState", "OwnedRange", "GradSlot", "RoundReport", "grad_slots"]
+__all__ = ["BucketRef", "StepState", "GradSlot", "RoundReport", "grad_slots"]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -39,13 +39,6 @@ class StepState(enum.Enum):
     REDUCED = "reduced"
 
 
-class OwnedRange(NamedTuple):
-    """``[lo, hi)`` of a param's flattened elements inside this rank's shard."""
-
-    lo: int
-    hi: int
-
-
 @dataclasses.dataclass
 class GradSlot:
     """Where one trainable param's gradient lives."""
@@ -55,9 +48,9 @@ class GradSlot:
     ref: BucketRef
     view: torch.Tensor
     """Its ``main_grad`` view."""
-    owned: OwnedRange | None
-    """What this rank owns after a reduce-scatter (sharded and layer-wise buffers); None
-    when replicated."""
+    owned: OwnedPiece | None
+    """What this rank owns after a reduce-scatter (sharded and layer-wise buffers; possibly
+    empty); None when replicated."""
     sharded_grad: ShardedGrad | None
     """The ``param.grad`` it shows once reduced, where it is sharded."""
 
@@ -84,10 +77,7 @@ def grad_slots(
         for p, s, view in zip(buf.params, buf.slots, buf.main_grads):
             owned = None
             if buf.layout.mode is not Mode.REPLICATED:
-                lo, hi = buf.layout.shard_range(s.bucket, rank)
-                owned = OwnedRange(
-                    min(max(lo - s.start, 0), s.numel), min(max(hi - s.start, 0), s.numel)
-                )
+                owned = buf.layout.owned_piece(s, rank)
             sharded = ShardedGrad(p) if owned is not None else None
             slots[p] = GradSlot(position[p], BucketRef(i, s.bucket), view, owned, sharded)
     refs = [
