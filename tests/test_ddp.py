@@ -563,10 +563,14 @@ def run_sgd_against_one_process(
     )
     ref = make_net()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    syncs = []  # issue 22: step() finished the gradient sync up to three times (clip, bind)
+    model.finish_grad_sync = lambda sync=model.finish_grad_sync: syncs.append(1) or sync()
     norms = []
     for step in range(steps):
         loss_of(model, *batch(step, rank, ws)).backward()
+        syncs.clear()
         opt.step()
+        assert len(syncs) == 1, f"step() finished the gradient sync {len(syncs)} times, not once"
         opt.zero_grad()
         loss_of(ref, *batch(step)).backward()
         norms.append(

@@ -229,7 +229,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.routing = routing
         """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
         self.gather = BucketGather(
-            model.flat_buffers,
+            model.index,
             group=model.process_group,
             module=model.module,
             overlap=overlap_param_gather,
@@ -244,20 +244,29 @@ class CompositeOptimizer(DataParallelOptimizer):
             part.on_reduced()
 
     def _prepare(self) -> None:
-        """Reduce what is pending and bind every part's gradients (idempotent)."""
-        self.model.finish_grad_sync()
+        """Bind every part's gradients, after the gradient sync (idempotent)."""
         self.gather.wait_all()  # the previous gather reads the shards we are about to write
         for part in self.parts:
             part.prepare_grads()
+
+    def _global_norm(self) -> torch.Tensor:
+        self._prepare()
+        return global_grad_norm(
+            [part.local_grad_sq_sum() for part in self.parts], collectives=self.model.collectives
+        )
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        total = self._global_norm()
+        for part in self.parts:
+            part.scale_grads(max_norm, total)
+        return total
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the reduced gradients over every param (one all-reduce), as
         ``torch.nn.utils.clip_grad_norm_`` would compute it over every rank's full gradients."""
-        self._prepare()
-        return global_grad_norm(
-            [part.local_grad_sq_sum() for part in self.parts], collectives=self.model.collectives
-        )
+        self.model.finish_grad_sync()
+        return self._global_norm()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -267,23 +276,21 @@ class CompositeOptimizer(DataParallelOptimizer):
             raise ValueError(f"aligndp clips by the 2-norm only, got norm_type={norm_type!r}")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-        total = self.grad_norm()
-        for part in self.parts:
-            part.scale_grads(max_norm, total)
-        return total
+        self.model.finish_grad_sync()
+        return self._clip(max_norm)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closures are not supported: run forward/backward before step()")
-        self.model.finish_grad_sync()
+        self.model.finish_grad_sync()  # the step's one call: what follows reads reduced grads
         if self.model.nonfinite is not None:
             if self.model.config.on_nonfinite == "skip":
                 self.skipped_steps += 1
                 return None
             raise FloatingPointError(self.model.nonfinite)
         if self.max_grad_norm is not None:
-            self.clip_grad_norm_(self.max_grad_norm)
+            self._clip(self.max_grad_norm)
         else:
             self._prepare()
         for part in self.parts:

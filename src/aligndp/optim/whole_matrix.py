@@ -40,7 +40,6 @@ from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
-from aligndp.runtime.step_state import BucketRef
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -144,9 +143,8 @@ class WholeMatrixPart(OptimizerPart):
         options: dict | None = None,
         master_weights: bool = True,
     ) -> None:
-        owner = {}
-        for buf in model.buffers_for(Mode.LAYERWISE):
-            owner.update({id(p): s.owner for p, s in zip(buf.params, buf.slots)})
+        layerwise = set(model.index.refs_of(Mode.LAYERWISE))
+        owner = {id(p): s.slot.owner for p, s in model.index.slots.items() if s.ref in layerwise}
         missing = [n for n, p in params if id(p) not in owner]
         if missing:
             raise ValueError(
@@ -183,17 +181,8 @@ class WholeMatrixPart(OptimizerPart):
         self._prepared_at: int | None = None
         index = {id(p): i for i, p in enumerate(self.params)}
         self._buckets = [  # (bucket, indices of its params), in bucket order
-            (
-                BucketRef(i, b),
-                [
-                    index[id(p)]
-                    for p, s in zip(buf.params, buf.slots)
-                    if s.bucket == b and id(p) in index
-                ],
-            )
-            for i, buf in enumerate(model.flat_buffers)
-            if buf.layout.mode is Mode.LAYERWISE
-            for b in range(len(buf.layout.buckets))
+            (ref, [index[id(p)] for p in model.index.members[ref] if id(p) in index])
+            for ref in model.index.refs_of(Mode.LAYERWISE)
         ]
 
     @property

@@ -77,7 +77,7 @@ from aligndp.runtime.collective_backends import (
     make_collectives,
 )
 from aligndp.runtime.grad_sync import GradSync
-from aligndp.runtime.step_state import BucketRef, GradSlot, StepState, grad_slots
+from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex, StepState, param_index
 from aligndp.runtime.wrapped_param import binding, claim_params
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
@@ -229,9 +229,11 @@ class DataParallel(GradSync, nn.Module):
         self.param_names: dict[nn.Parameter, str] = {p: n for n, p in named}
         self.params: list[nn.Parameter] = [p for _, p in named]
         """Trainable params in registration order (the order of the agreement flags)."""
-        self._slot: dict[nn.Parameter, GradSlot]
-        self.bucket_refs: list[BucketRef]
-        self._slot, self.bucket_refs = grad_slots(self.flat_buffers, self.params, rank=self.rank)
+        self.index: ParamIndex = param_index(self.flat_buffers, self.params, rank=self.rank)
+        """The one param -> (buffer, bucket, slot, owned piece) index, built here once and
+        shared with the param gather and the optimizer parts."""
+        self._slot: Mapping[nn.Parameter, GradSlot] = self.index.slots
+        self.bucket_refs: list[BucketRef] = list(self.index.refs)
         self._init_grad_sync()
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see

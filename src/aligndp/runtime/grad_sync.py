@@ -3,9 +3,9 @@ reduction itself, readiness and the agreement: reduction.py).
 
 See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step states].
 :class:`GradSync` is a mixin: ``DataParallel`` provides ``params``, ``param_names``,
-``_slot`` (a :class:`~aligndp.runtime.step_state.GradSlot` per param), ``bucket_refs``,
-``flat_buffers``, ``config``, ``collectives``, ``rank``, ``dp_size``, ``device``,
-``_eager_zero`` and ``_replaced``, and calls :meth:`_init_grad_sync`.
+``index`` (the :class:`~aligndp.runtime.step_state.ParamIndex`), ``_slot`` and
+``bucket_refs`` (its slots and refs), ``flat_buffers``, ``config``, ``collectives``, ``rank``,
+``dp_size``, ``device``, ``_eager_zero`` and ``_replaced``, and calls :meth:`_init_grad_sync`.
 
 ``state`` changes in these named transitions only ([Note: step states]):
 
@@ -39,9 +39,7 @@ class GradSync(Reduction):
     """Gradient hooks and the step states; the reduction is :class:`Reduction`'s."""
 
     def _init_grad_sync(self) -> None:
-        self._bucket_params = {
-            ref: [p for p in self.params if self._slot[p].ref == ref] for ref in self.bucket_refs
-        }
+        self._bucket_params = self.index.members
         self._position = {ref: k for k, ref in enumerate(self.bucket_refs)}
         self._launch_position = {p: self._position[self._slot[p].ref] for p in self.params}
         """param -> the launch position of its bucket."""

@@ -19,14 +19,13 @@ first. The next ``step()``, checkpoints and ``model.wait_for_params()`` call
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, TorchCollectives, Work
-from aligndp.runtime.step_state import BucketRef
+from aligndp.runtime.step_state import BucketRef, ParamIndex
 from aligndp.runtime.wrapped_param import mark_pending, settle
 
 __all__ = ["ParamGather"]
@@ -35,22 +34,23 @@ __all__ = ["ParamGather"]
 class ParamGather:
     """Launches and tracks per-bucket param all-gathers of the buffers that hold params.
 
-    Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef`, the key the gradient
-    side uses: ``buffers`` are the model's ``flat_buffers`` in order (``BucketRef.buffer``
-    indexes them); those without ``param_data`` (replicated) hold no params to gather.
+    Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef` and params found
+    through the model's :class:`~aligndp.runtime.step_state.ParamIndex`, as on the gradient
+    side; buffers without ``param_data`` (replicated) hold no params to gather.
     """
 
     def __init__(
         self,
-        buffers: Sequence[FlatBuffer],
+        index: ParamIndex,
         *,
         group: dist.ProcessGroup | None,
         module: nn.Module | None = None,
         overlap: bool = False,
         collectives: Collectives | None = None,
     ) -> None:
-        """``module`` (the wrapped model) is needed only when ``overlap`` installs pre-hooks;
-        ``collectives``: the model's backend bound to ``group`` (default: torch's)."""
+        """``index``: the model's ``index``; ``module`` (the wrapped model) is needed only
+        when ``overlap`` installs pre-hooks; ``collectives``: the model's backend bound to
+        ``group`` (default: torch's)."""
         if overlap and module is None:
             raise ValueError("overlap=True waits in forward pre-hooks: pass the wrapped module")
         if collectives is not None and collectives.group is not group:
@@ -58,22 +58,22 @@ class ParamGather:
                 f"the collectives backend {collectives.name!r} is bound to another process group "
                 "than group=: pass the model's process group and its collectives"
             )
-        self.buffers = list(buffers)
+        self.index = index
         self.group = group
         self.collectives = collectives if collectives is not None else TorchCollectives(group)
         self.dp_size = self.collectives.dp_size
         self.overlap = overlap
         self._pending: dict[BucketRef, Work] = {}
-        self._key_of: dict[int, BucketRef] = {}
-        """id(param) -> the bucket holding it."""
-        self._members: dict[BucketRef, list[nn.Parameter]] = {}
-        """The params of each bucket (pending while its overlapped gather is in flight)."""
-        for i, buf in enumerate(self.buffers):
-            if buf.param_data is None:
-                continue
-            for p, s in zip(buf.params, buf.slots):
-                self._key_of[id(p)] = BucketRef(i, s.bucket)
-                self._members.setdefault(BucketRef(i, s.bucket), []).append(p)
+        self._members: dict[BucketRef, tuple[nn.Parameter, ...]] = {
+            ref: index.members[ref]
+            for ref in index.refs
+            if index.buffer(ref).param_data is not None
+        }
+        """The params of each gathered bucket (pending while its overlapped gather is in flight)."""
+        self._key_of: dict[int, BucketRef] = {
+            id(p): ref for ref, members in self._members.items() for p in members
+        }
+        """id(param) -> the bucket holding it (a pending param's hash would wait: ids do not)."""
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
@@ -88,20 +88,16 @@ class ParamGather:
         of the next forward wait for every gather (NCCL runs collectives in launch order).
         Without a module, each buffer's buckets are simply reversed.
         """
-        keys = [
-            BucketRef(i, b)
-            for i, buf in enumerate(self.buffers)
-            if buf.param_data is not None
-            for b in reversed(range(len(buf.layout.buckets)))
-        ]
+        keys = [ref for ref in reversed(self.index.refs) if ref in self._members]
+        keys.sort(key=lambda ref: ref.buffer)  # each buffer's buckets reversed
         if module is None:
             return keys
         position = {id(p): n for n, p in enumerate(module.parameters())}
         first = {
-            key: min(position.get(id(p), len(position)) for p in members)
+            key: min((position.get(id(p), len(position)) for p in members), default=len(position))
             for key, members in self._members.items()
         }
-        return sorted(keys, key=lambda k: (first.get(k, len(position)), keys.index(k)))
+        return sorted(keys, key=lambda k: (first[k], keys.index(k)))
 
     def _install_hooks(self, module: nn.Module) -> None:
         where = self._key_of
@@ -127,8 +123,8 @@ class ParamGather:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
         if self.dp_size > 1:
-            buf = self.buffers[key.buffer]
-            self._pending[key] = self.collectives.all_gather_shards(buf.bucket_param(key.bucket))
+            bucket = self.index.buffer(key).bucket_param(key.bucket)
+            self._pending[key] = self.collectives.all_gather_shards(bucket)
             if self.overlap:  # [Note: reads wait for the gather] in wrapped_param.py
                 mark_pending(self._members.get(key, ()), self)
 

@@ -60,13 +60,9 @@ class Reduction:
     def _spans(self, ref: BucketRef) -> torch.Tensor:
         """``(3, k)`` int64 on the device: flag index, start and end (in the bucket) of each
         of the bucket's k params, for :meth:`_check_finite`."""
-        buf = self.flat_buffers[ref.buffer]
-        first = buf.layout.buckets[ref.bucket].start
-        rows = [
-            (self._slot[p].index, s.start - first, s.end - first)
-            for p, s in zip(buf.params, buf.slots)
-            if s.bucket == ref.bucket
-        ]
+        first = self.index.buffer(ref).layout.buckets[ref.bucket].start
+        slots = [self._slot[p] for p in self._bucket_params[ref]]
+        rows = [(s.index, s.slot.start - first, s.slot.end - first) for s in slots]
         return torch.tensor(rows, dtype=torch.int64).t().contiguous().to(self.device)
 
     def _check_finite(self, ref: BucketRef, grad: torch.Tensor) -> None:

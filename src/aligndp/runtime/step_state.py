@@ -1,4 +1,4 @@
-"""The vocabulary of one data-parallel step: states, bucket references, per-param slots.
+"""The vocabulary of one data-parallel step: states, bucket references, the param index.
 
 [Note: step states] in DESIGN.md; the transitions are in grad_sync.py.
 """
@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
-from aligndp.plan.slots import OwnedPiece
+from aligndp.plan.slots import OwnedPiece, ParamSlot
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.grads import ShardedGrad
 
-__all__ = ["BucketRef", "StepState", "GradSlot", "RoundReport", "grad_slots"]
+__all__ = ["BucketRef", "StepState", "GradSlot", "ParamIndex", "RoundReport", "param_index"]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -41,11 +41,13 @@ class StepState(enum.Enum):
 
 @dataclasses.dataclass
 class GradSlot:
-    """Where one trainable param's gradient lives."""
+    """Where one trainable param lives: its bucket, plan slot, gradient view and owned piece."""
 
     index: int
     """Position in registration order (the order of the agreement flags)."""
     ref: BucketRef
+    slot: ParamSlot
+    """Where the plan put it in its buffer (start, end, bucket, owner)."""
     view: torch.Tensor
     """Its ``main_grad`` view."""
     owned: OwnedPiece | None
@@ -66,11 +68,33 @@ class RoundReport:
     """Params that had a gradient on at least one rank."""
 
 
-def grad_slots(
+@dataclasses.dataclass(frozen=True)
+class ParamIndex:
+    """The one param -> (buffer, bucket, slot, owned piece) index of a DataParallel, built once
+    from its buffers (:func:`param_index`) and shared by the gradient side, the param gather
+    and the optimizer parts."""
+
+    buffers: tuple[FlatBuffer, ...]
+    """The model's ``flat_buffers``; ``BucketRef.buffer`` indexes them."""
+    slots: Mapping[nn.Parameter, GradSlot]
+    """Every trainable param's :class:`GradSlot`, in registration order."""
+    refs: tuple[BucketRef, ...]
+    """Every bucket, in launch order (buffer by buffer, bucket by bucket)."""
+    members: Mapping[BucketRef, tuple[nn.Parameter, ...]]
+    """Each bucket's params, in registration order."""
+
+    def buffer(self, ref: BucketRef) -> FlatBuffer:
+        return self.buffers[ref.buffer]
+
+    def refs_of(self, mode: Mode) -> list[BucketRef]:
+        """The buckets of buffers in ``mode``, in launch order."""
+        return [ref for ref in self.refs if self.buffer(ref).layout.mode is mode]
+
+
+def param_index(
     buffers: Sequence[FlatBuffer], params: Sequence[nn.Parameter], *, rank: int
-) -> tuple[dict[nn.Parameter, GradSlot], list[BucketRef]]:
-    """Every param's :class:`GradSlot` (``params`` in registration order) and every bucket,
-    in launch order (buffer by buffer, bucket by bucket)."""
+) -> ParamIndex:
+    """The :class:`ParamIndex` of ``buffers`` (``params`` in registration order) for ``rank``."""
     position = {p: k for k, p in enumerate(params)}
     slots: dict[nn.Parameter, GradSlot] = {}
     for i, buf in enumerate(buffers):
@@ -79,8 +103,12 @@ def grad_slots(
             if buf.layout.mode is not Mode.REPLICATED:
                 owned = buf.layout.owned_piece(s, rank)
             sharded = ShardedGrad(p) if owned is not None else None
-            slots[p] = GradSlot(position[p], BucketRef(i, s.bucket), view, owned, sharded)
-    refs = [
+            slots[p] = GradSlot(position[p], BucketRef(i, s.bucket), s, view, owned, sharded)
+    slots = dict(sorted(slots.items(), key=lambda item: item[1].index))
+    refs = tuple(
         BucketRef(i, b) for i, buf in enumerate(buffers) for b in range(len(buf.layout.buckets))
-    ]
-    return slots, refs
+    )
+    members: dict[BucketRef, list[nn.Parameter]] = {ref: [] for ref in refs}
+    for p, slot in slots.items():
+        members[slot.ref].append(p)
+    return ParamIndex(tuple(buffers), slots, refs, {ref: tuple(ps) for ref, ps in members.items()})
