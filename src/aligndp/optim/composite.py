@@ -8,8 +8,9 @@ for them: a whole-matrix optimizer such as Muon
 (:class:`ReplicatedPart`). The composite finishes the gradient sync once, clips every part
 by one global norm (one all-reduce), steps each part — handing it the callback that starts a
 bucket's param all-gather as soon as the part has stepped that bucket — and all-gathers
-every sharded and layer-wise buffer once, after the step or overlapped with the next forward
-(:class:`~aligndp.runtime.param_gather.ParamGather`). Checkpoints see it through the
+every sharded and layer-wise buffer once, after the step or overlapped with the next forward,
+through the model's :class:`~aligndp.runtime.param_gather.ParamGather` (the model owns it;
+the composite calls into it). Checkpoints see it through the
 model-space methods of [Note: model-space state] (aligndp/state/model_space.py), which it
 forwards to the part that holds each param.
 """
@@ -26,7 +27,6 @@ from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.step_state import BucketRef
 from aligndp.state.model_space import (
     FlatPiece,
@@ -39,7 +39,6 @@ __all__ = [
     "OptimizerPart",
     "ReplicatedPart",
     "CompositeOptimizer",
-    "BucketGather",
     "sum_of_squares",
 ]
 
@@ -163,35 +162,6 @@ class ReplicatedPart(OptimizerPart):
         model_space_to_torch_state(self.inner[0], self.names, sd)
 
 
-class BucketGather(ParamGather):
-    """A :class:`ParamGather` that can also start one bucket early.
-
-    Layer-wise Muon steps one bucket at a time and starts that bucket's all-gather at once, so
-    it runs on the communication stream while the next bucket's Newton–Schulz runs on the
-    compute stream; :meth:`launch_rest` then starts every bucket not started yet. Each rank
-    starts the same buckets in the same order (bucket order, whether it owns matrices there or not).
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._launched: set[BucketRef] = set()
-
-    def launch_stepped(self, ref: BucketRef) -> None:
-        """Start the gather of a bucket the optimizer has just stepped."""
-        self.launch_bucket(ref)
-        self._launched.add(ref)
-
-    def launch_rest(self) -> None:
-        """Start every bucket not started yet, in forward order; wait for all unless overlapping
-        the forward."""
-        for key in self.order:
-            if key not in self._launched:
-                self.launch_bucket(key)
-        self._launched.clear()
-        if not self.overlap:
-            self.wait_all()
-
-
 class CompositeOptimizer(DataParallelOptimizer):
     """One optimizer over several parts (e.g. layer-wise Muon + ZeRO-1 AdamW).
 
@@ -228,15 +198,9 @@ class CompositeOptimizer(DataParallelOptimizer):
         """Steps skipped on every rank for non-finite gradients (``on_nonfinite="skip"``)."""
         self.routing = routing
         """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
-        self.gather = BucketGather(
-            model.index,
-            group=model.process_group,
-            module=model.module,
-            overlap=overlap_param_gather,
-            collectives=model.collectives,
-        )
-        if any(b.param_data is not None for b in model.flat_buffers):
-            model.attach_param_gather(self.gather)
+        self.gather = model.param_gather
+        """The model's param gather, which this optimizer calls into after each step."""
+        self.gather.set_overlap(overlap_param_gather)
         model.reduction_listeners.append(self._on_reduced)
 
     def _on_reduced(self) -> None:

@@ -77,6 +77,7 @@ from aligndp.runtime.collective_backends import (
     make_collectives,
 )
 from aligndp.runtime.grad_sync import GradSync
+from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex, StepState, param_index
 from aligndp.runtime.wrapped_param import binding, claim_params
 
@@ -238,7 +239,8 @@ class DataParallel(GradSync, nn.Module):
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see
         wrapped_param.WrappedParameter)."""
-        self._param_gather = None
+        self.param_gather = ParamGather(self.index, module=module, collectives=self.collectives)
+        """The all-gather of sharded params after each step; the optimizer calls into it."""
         self._joined: _Join | None = None
         self._replaced = False
         self._comm_hook: str | None = None
@@ -255,6 +257,10 @@ class DataParallel(GradSync, nn.Module):
                 owner._on_grad(param)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        gather = self.param_gather  # state_dict() reads the params: their gathers first
+        self._hooks.append(
+            self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
+        )
         for _, m in fused:
             m.bind_grad_sink(self)
 
@@ -289,21 +295,12 @@ class DataParallel(GradSync, nn.Module):
     def buffers_for(self, mode: Mode) -> list[FlatBuffer]:
         return [b for b in self.flat_buffers if b.layout.mode is mode]
 
-    def attach_param_gather(self, gather) -> None:
-        """The optimizer's :class:`~aligndp.runtime.param_gather.ParamGather`: forward checks that
-        every gathered param it used was waited for, and ``state_dict()`` waits for all."""
-        self._param_gather = gather
-        self._hooks.append(
-            self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
-        )
-
     def wait_for_params(self) -> None:
         """Wait for every param all-gather still in flight (``overlap_param_gather=True``). Any
         read of a param already waits for its own gather ([Note: reads wait for the gather] in
         wrapped_param.py); call this before reading through an alias taken before the step (a
         view, a ``data_ptr()``) or to end the step's communication. A no-op otherwise."""
-        if self._param_gather is not None:
-            self._param_gather.wait_all()
+        self.param_gather.wait_all()
 
     # [Note: compiled forward]: torch.compile runs this frame eagerly (the bookkeeping: step
     # states, arming, gathers) and compiles the module's own forward inside it
@@ -321,8 +318,8 @@ class DataParallel(GradSync, nn.Module):
             self._reopen()  # before autograd accumulates into a ShardedGrad
             self.arm()  # [Note: gradient as bucket view]
         out = self.module(*args, **kwargs)
-        gather = self._param_gather
-        if gather is not None and gather.in_flight:
+        gather = self.param_gather
+        if gather.in_flight:
             self._unwaited |= gather.pending_params()
             gather.wait_all()
         return out

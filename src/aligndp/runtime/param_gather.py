@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.runtime.collectives import Collectives, TorchCollectives, Work
+from aligndp.runtime.collectives import Collectives, Work
 from aligndp.runtime.step_state import BucketRef, ParamIndex
 from aligndp.runtime.wrapped_param import mark_pending, settle
 
@@ -34,36 +33,30 @@ __all__ = ["ParamGather"]
 class ParamGather:
     """Launches and tracks per-bucket param all-gathers of the buffers that hold params.
 
-    Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef` and params found
-    through the model's :class:`~aligndp.runtime.step_state.ParamIndex`, as on the gradient
-    side; buffers without ``param_data`` (replicated) hold no params to gather.
+    The model owns one (``DataParallel.param_gather``, built with it); the optimizer calls
+    into it: :meth:`set_overlap` once, then :meth:`launch_stepped` / :meth:`launch_rest`
+    after each step and :meth:`wait_all` before writing the shards again. Buckets are named
+    by :class:`~aligndp.runtime.step_state.BucketRef` and params found through the model's
+    :class:`~aligndp.runtime.step_state.ParamIndex`, as on the gradient side; buffers
+    without ``param_data`` (replicated) hold no params to gather.
     """
 
     def __init__(
         self,
         index: ParamIndex,
         *,
-        group: dist.ProcessGroup | None,
-        module: nn.Module | None = None,
-        overlap: bool = False,
-        collectives: Collectives | None = None,
+        module: nn.Module,
+        collectives: Collectives,
     ) -> None:
-        """``index``: the model's ``index``; ``module`` (the wrapped model) is needed only
-        when ``overlap`` installs pre-hooks; ``collectives``: the model's backend bound to
-        ``group`` (default: torch's)."""
-        if overlap and module is None:
-            raise ValueError("overlap=True waits in forward pre-hooks: pass the wrapped module")
-        if collectives is not None and collectives.group is not group:
-            raise ValueError(
-                f"the collectives backend {collectives.name!r} is bound to another process group "
-                "than group=: pass the model's process group and its collectives"
-            )
+        """``index`` and ``collectives``: the model's; ``module``: the wrapped module (its
+        forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
         self.index = index
-        self.group = group
-        self.collectives = collectives if collectives is not None else TorchCollectives(group)
-        self.dp_size = self.collectives.dp_size
-        self.overlap = overlap
+        self.module = module
+        self.collectives = collectives
+        self.dp_size = collectives.dp_size
+        self.overlap = False
         self._pending: dict[BucketRef, Work] = {}
+        self._launched: set[BucketRef] = set()
         self._members: dict[BucketRef, tuple[nn.Parameter, ...]] = {
             ref: index.members[ref]
             for ref in index.refs
@@ -77,21 +70,26 @@ class ParamGather:
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
-        if overlap and self.dp_size > 1:
-            self._install_hooks(module)
 
-    def _forward_order(self, module: nn.Module | None) -> list[BucketRef]:
+    def set_overlap(self, overlap: bool) -> None:
+        """``overlap_param_gather``, the optimizer's choice: True leaves the gathers in flight
+        after the step, each module's forward pre-hook waiting for its own buckets; False
+        waits for them at the end of the step."""
+        self.wait_all()
+        self.remove_hooks()
+        self.overlap = overlap
+        if overlap and self.dp_size > 1:
+            self._install_hooks(self.module)
+
+    def _forward_order(self, module: nn.Module) -> list[BucketRef]:
         """Buckets sorted by the earliest-registered param they hold.
 
         Layouts put params in reverse registration order (≈ backward order), so the first
         layers sit in the *last* bucket; gathering bucket 0 first would make the first module
         of the next forward wait for every gather (NCCL runs collectives in launch order).
-        Without a module, each buffer's buckets are simply reversed.
         """
         keys = [ref for ref in reversed(self.index.refs) if ref in self._members]
         keys.sort(key=lambda ref: ref.buffer)  # each buffer's buckets reversed
-        if module is None:
-            return keys
         position = {id(p): n for n, p in enumerate(module.parameters())}
         first = {
             key: min((position.get(id(p), len(position)) for p in members), default=len(position))
@@ -108,14 +106,19 @@ class ParamGather:
                     m.register_forward_pre_hook(lambda _m, _args, _keys=keys: self.wait(_keys))
                 )
 
-    def launch(self) -> None:
-        """Start the all-gather of every bucket in :attr:`order` (forward order).
+    def launch_stepped(self, ref: BucketRef) -> None:
+        """Start the gather of a bucket the optimizer has just stepped (layer-wise Muon steps
+        one bucket at a time, so this gather overlaps the next bucket's step)."""
+        self.launch_bucket(ref)
+        self._launched.add(ref)
 
-        Waits for everything at once unless overlapping with the next forward.
-        """
-        self.wait_all()
+    def launch_rest(self) -> None:
+        """Start every bucket not started since the last call, in :attr:`order` (forward
+        order, the same on every rank); wait for all unless overlapping the next forward."""
         for key in self.order:
-            self.launch_bucket(key)
+            if key not in self._launched:
+                self.launch_bucket(key)
+        self._launched.clear()
         if not self.overlap:
             self.wait_all()
 
