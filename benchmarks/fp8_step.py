@@ -87,6 +87,10 @@ def build(variant: str, args, device: torch.device):
     note = ""
     if kind == "bf16":
         model, opt = module, torch.optim.AdamW(module.parameters(), lr=3e-4, fused=fused)
+    elif kind == "aligndp":  # bf16 through aligndp.parallelize, no FP8: the runtime's share
+        model, opt = aligndp.parallelize(
+            module, optimizer="adamw", lr=3e-4, process_group=args.process_group
+        )
     elif kind == "torchao":
         if not torchao_available():
             return None, None, "torchao is not importable"

@@ -197,9 +197,13 @@ def test_triton_ops_pass_opcheck(block, mx):
     torch.library.opcheck(torch.ops.aligndp.quantize_rc, (x, block, mx, True, True))
     row = torch.ops.aligndp.quantize_rc(x, block, mx, True, False)
     w = torch.ops.aligndp.quantize_rc(x[:128], block, mx, True, False)
-    torch.library.opcheck(
-        torch.ops.aligndp.scaled_mm, (row[0], row[1], w[0], w[1], block, mx, torch.bfloat16, None)
-    )
+    args = (row[0], row[1], w[0], w[1], block, mx, torch.bfloat16, None)
+    before = [t.view(torch.uint8).clone() for t in args[:4]]
+    # test_schema's mutation check multiplies the inputs, which CUDA has no FP8 kernel for
+    # ("mul_cuda" not implemented for Float8_e4m3fn): the inputs are compared bytewise instead
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.aligndp.scaled_mm, args, test_utils=utils)
+    assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(args[:4], before))
 
 
 @pytest.fixture(scope="module")
