@@ -71,7 +71,9 @@ def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
     # torch ops: on CPU, and under torch.compile, where Inductor fuses the amax and the cast
     # with their neighbours ([Note: compiled MX layers] in ops.py)
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
-    scale = torch.clamp(amax, min=AMAX_FLOOR) / E4M3_MAX
+    # divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
+    # multiply by its reciprocal, one bit off the Triton kernel's (and the CPU's) IEEE division
+    scale = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
     data = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return Quantized(data, scale, data.t().contiguous() if transposed else None)
 
