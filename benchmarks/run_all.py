@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _bench import Timing, init
+from compile_step import COMPILE_KEYS, compile_section
 from run_all_sections import (
     Context,
     ddp_section,
@@ -145,9 +146,10 @@ def run(args: argparse.Namespace) -> None:
             ],
         ),
         (lambda: muon_section(ctx), ["muon.step"]),
+        (lambda: compile_section(ctx), list(COMPILE_KEYS)),
     ]
     if args.skip_muon:
-        sections[-1] = (lambda: [Row("muon.step", skipped="--skip-muon")], ["muon.step"])
+        sections[-2] = (lambda: [Row("muon.step", skipped="--skip-muon")], ["muon.step"])
     sections.append(
         (lambda: one_gpu_sections(ctx, solo), [k for k in ROWS if k.startswith(("mx.", "fp8."))])
     )

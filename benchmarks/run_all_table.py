@@ -23,6 +23,12 @@ ROWS: dict[str, str] = {
     "fused AdamW (same numerics)",
     "ddp_adamw.vs_torch": "aligndp DDP + fused AdamW step / (torch DDP + fused AdamW)",
     "muon.step": "layer-wise Muon step + all-gather / one-GPU torch.optim.Muon",
+    "compile.vs_torch_ddp": "aligndp + torch.compile(model) step / torch DDP + torch.compile, "
+    "gpt2-small at dp = ranks (compile_step.py)",
+    "compile.blocks_vs_torch_ddp": "aligndp + per-block torch.compile step / torch DDP + "
+    "torch.compile, gpt2-small at dp = ranks",
+    "compile.hooks_ms": "host ms per compiled step in AccumulateGrad + gradient hooks (profiler) "
+    "/ torch DDP's",
     "mx.fp8_step": "--wgrad fp8 training step / bf16 step, one GPU",
     "mx.fp8_tensor_step": "--wgrad fp8-tensor (per-tensor scales) step / bf16 step, one GPU",
     "mx.mxfp8_step": "--wgrad mxfp8 training step / bf16 step, one GPU",

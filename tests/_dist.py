@@ -37,7 +37,9 @@ def _worker(
 ) -> None:
     import importlib
 
-    torch.set_num_threads(1)
+    # 1 thread per rank; ALIGNDP_TEST_THREADS=2 re-runs the cases with other reduction splits
+    # (tests/models.py [Tolerances])
+    torch.set_num_threads(int(os.environ.get("ALIGNDP_TEST_THREADS", "1")))
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
     )

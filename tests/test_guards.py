@@ -10,13 +10,12 @@ import re
 import time
 from unittest import mock
 
-import numpy as np
 import pytest
 
 from aligndp.app import cli
 
 
-def crash_on_rank1(config):
+def crash_on_rank1(config, recipe=None):
     """Entry point of the launched ranks (replaces train_loop.launched_worker): rank 1 dies
     at once, by an exception or by a hard exit; rank 0 would wait for it (it is killed by
     the launcher when rank 1 fails)."""
@@ -42,37 +41,63 @@ def test_train_exits_non_zero_when_a_launched_rank_crashes(how, tmp_path, capsys
     assert time.monotonic() - start < 60, "rank 0 must be stopped once rank 1 failed"
 
 
-TAB_BLUE, TAB_ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's tab10 colours of ranks 0 and 1
+def layout_and_bars(args: list[str], png: str, monkeypatch) -> tuple[dict, list[dict]]:
+    """``aligndp layout ARGS --json --png PNG``: the plan's JSON, and every param bar of the
+    figure that was saved (``left``, ``width``, ``colour``), read from its artists."""
+    from matplotlib.colors import to_rgba
+    from matplotlib.figure import Figure
 
+    saved = []
+    savefig = Figure.savefig
 
-def layout_with_png(args: list[str], png: str) -> dict:
+    def keep(fig, *a, **kw):
+        saved.append(fig)
+        return savefig(fig, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert cli.main(["layout", *args, "--json", "--png", png]) == 0
-    return json.loads(out.getvalue())
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", "no PNG written"
+    (fig,) = saved
+    padding = to_rgba("0.85")
+    bars = [
+        {"left": r.get_x(), "width": r.get_width(), "colour": r.get_facecolor()}
+        for ax in fig.axes
+        for r in ax.patches
+        if r.get_facecolor() != padding  # the buffer's padding, drawn under the params
+    ]
+    return json.loads(out.getvalue()), bars
 
 
-def pixels_of(png: str, rgb: tuple[int, int, int]) -> int:
-    import matplotlib.image
+def test_layout_png_draws_each_param_where_the_plan_puts_it_in_its_owners_colour(
+    tmp_path, monkeypatch
+):
+    """Regression (issue 16): ``--png`` once wrote a picture that did not follow the plan. The
+    plan's JSON is the contract; the figure must draw each param's bar at its start, to scale,
+    in its owner rank's colour (layer-wise) — read from the figure's artists, not its pixels.
+    Replicated: no param in a rank's colour but rank 0's (blue/cyan by param)."""
+    from matplotlib import colormaps
 
-    image = (matplotlib.image.imread(png)[..., :3] * 255).round()
-    return int((np.abs(image - np.array(rgb)).max(-1) <= 2).sum())
-
-
-def test_layout_png_draws_each_rank_with_its_share_of_elements(tmp_path):
-    """Layer-wise at dp 2, a 64x64 and a 64x16 matrix: rank 0 owns 4096 elements, rank 1 1024
-    (from the plan's JSON), so the picture's rank-1 colour covers a quarter of rank 0's area
-    (bars are drawn to scale; the legend adds a few pixels of each). Replicated: no rank colours."""
-    png = str(tmp_path / "layerwise.png")
-    plan = layout_with_png(["--shapes", "64x64,64x16", "--dp", "2", "--mode", "layerwise"], png)
-    owned = [0, 0]
-    for buffer in plan["buffers"]:
-        for p in buffer["params"]:
-            owned[p["owner"]] += p["end"] - p["start"]
-    assert owned == [4096, 1024]
-    blue, orange = pixels_of(png, TAB_BLUE), pixels_of(png, TAB_ORANGE)
-    assert blue > 10_000, "rank 0's params are not drawn"
-    assert orange / blue == pytest.approx(owned[1] / owned[0], rel=0.05)
-    replicated = str(tmp_path / "replicated.png")
-    layout_with_png(["--shapes", "64x64,64x16", "--dp", "2", "--mode", "replicated"], replicated)
-    assert pixels_of(replicated, TAB_ORANGE) == 0 and pixels_of(replicated, TAB_BLUE) > 10_000
+    tab10 = colormaps["tab10"]
+    shapes = ["--shapes", "64x64,64x16", "--dp", "2"]
+    plan, bars = layout_and_bars(
+        [*shapes, "--mode", "layerwise"], str(tmp_path / "lw.png"), monkeypatch
+    )
+    params = [p for buffer in plan["buffers"] for p in buffer["params"]]
+    assert [p["owner"] for p in params] == [0, 1], "the test needs a param on each rank"
+    expected = [
+        {"left": p["start"], "width": p["end"] - p["start"], "colour": tab10(p["owner"])}
+        for p in params
+    ]
+    assert sorted(bars, key=lambda b: b["left"]) == expected
+    monkeypatch.undo()
+    plan, bars = layout_and_bars(
+        [*shapes, "--mode", "replicated"], str(tmp_path / "r.png"), monkeypatch
+    )
+    params = [p for buffer in plan["buffers"] for p in buffer["params"]]
+    assert sorted((b["left"], b["width"]) for b in bars) == sorted(
+        (p["start"], p["end"] - p["start"]) for p in params
+    )
+    assert tab10(1) not in [b["colour"] for b in bars], "a replicated param drawn as rank 1's"

@@ -18,6 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import hf_gpt2  # noqa: E402  (examples/ is not a package; spawned ranks find it through sys.path)
 
 from aligndp.app.data import BatchSpec, TokenData  # noqa: E402
+from tests.models import ADAMW_GAIN, order_tolerance  # noqa: E402
 
 STEPS = 6
 
@@ -39,5 +40,8 @@ def _reference_losses(steps: int, seed: int) -> list[float]:
 
 def test_hf_gpt2_on_two_ranks_matches_one_process():
     result = hf_gpt2.main(["--steps", str(STEPS), "--nproc", "2", "--seed", "1"])
-    assert result["losses"] == pytest.approx(_reference_losses(STEPS, seed=1), rel=1e-5)
+    # fp32 summation order only (tests/models.py [Tolerances]): the weight gradients sum the
+    # batch's 8 x 64 tokens (one process) or each rank's half; AdamW over STEPS steps
+    rel = order_tolerance(terms=8 * 64, steps=STEPS, gain=ADAMW_GAIN, cancelling=False)
+    assert result["losses"] == pytest.approx(_reference_losses(STEPS, seed=1), rel=rel)
     assert result["losses"][-1] < result["losses"][0] - 1.0

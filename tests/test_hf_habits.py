@@ -12,8 +12,8 @@ nothing downloaded) train 3 steps on 2 gloo ranks with
 
 and must match ``nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW`` with the same
 groups, scheduler and clipping (same initial weights, same per-rank rows of each global batch):
-equal losses, equal gradient norms and learning rates every step, every param within 1e-6
-relative (fp32) after 3 steps. ``sharding="zero1"`` is checked on GPT-2 with
+equal losses, equal gradient norms and learning rates every step, every param within the
+bound of :data:`REL_TOL` (fp32) after 3 steps. ``sharding="zero1"`` is checked on GPT-2 with
 ``opt.clip_grad_norm_(1.0)`` (there ``p.grad`` is a ``ShardedGrad`` that refuses torch's clip).
 
 Tied weights: GPT-2's ``lm_head`` and BERT's MLM decoder are tied to the token embedding
@@ -39,7 +39,7 @@ pytest.importorskip("transformers")
 
 import aligndp  # noqa: E402
 from tests._dist import case, make_tests  # noqa: E402
-from tests.models import rel_error  # noqa: E402
+from tests.models import ADAMW_GAIN, order_tolerance, rel_error  # noqa: E402
 
 STEPS = 3
 ROWS_PER_RANK = 2
@@ -47,7 +47,15 @@ SEQ_LEN = 8
 LR = 1e-2
 WEIGHT_DECAY = 0.1
 MAX_NORM = 1.0
-REL_TOL = 1e-6
+REL_TOL = max(
+    order_tolerance(terms=68, steps=STEPS, gain=ADAMW_GAIN),
+    order_tolerance(terms=24_000, steps=STEPS, gain=ADAMW_GAIN, cancelling=False),
+)
+"""fp32, 3 AdamW steps against torch DDP (issue 25: 1e-6, tuned on one CPU, failed on AVX-512 +
+AMX at 1.49e-6). The sums that may differ: the GEMMs over differently placed params (inner
+dims up to 68), AdamW's elementwise kernels over flat shards (another split between vector
+body and scalar tail, so other FMA contractions), and zero1's clip norm, a sum of ~24,000
+squares (no cancellation: all terms positive); the larger of the two bounds."""
 NOISE_MOVE = 0.01
 """Elements with an analytically zero gradient move by at most this fraction of lr per step
 (AdamW on rounding noise: |g| / (|g| + eps) with |g| ~ 1e-10; a real gradient moves ~lr)."""

@@ -98,7 +98,8 @@ def test_tiny_blocks_deliberately_differ_from_torchao(elem):
     x = torch.linspace(0.25, 1.0, 32).reshape(1, 32) * tiny_threshold(elem) / 2  # amax < threshold
     ours, ref = quantize_mxfp8(x, elem_dtype=elem), torchao_pair(x, elem)
     assert bits(ours.scale).tolist() == bits(ref.scale).tolist() == [[0]]
-    torch.testing.assert_close(ours.data.float(), 2 * ref.data.float(), rtol=0.07, atol=0)
+    # twice torchao's elements, each rounded once more to a 3-bit mantissa: 2**-4 relative
+    torch.testing.assert_close(ours.data.float(), 2 * ref.data.float(), rtol=2**-4 + 2**-6, atol=0)
     ours_err = (dequantize_mxfp8(ours) - x).abs().max()
     ref_err = (torchao_mx.to_dtype(ref.data, ref.scale, elem, 32, torch.float32) - x).abs().max()
     assert ours_err <= x.abs().max() * 2.0**-3 < ref_err

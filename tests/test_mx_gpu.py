@@ -7,10 +7,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (Hopper) for the Triton backends", allow_module_level=True)
 
-from aligndp.lowp import MXLinear, quantize_mxfp8  # noqa: E402
-from aligndp.lowp.backends import ReferenceBackend, get_backend  # noqa: E402
+from aligndp.lowp import MXLinear, get_backend, get_recipe, quantize_mxfp8  # noqa: E402
+from aligndp.lowp.backends import ReferenceBackend  # noqa: E402
 from aligndp.lowp.recipe import ScaleFormat  # noqa: E402
 from aligndp.plan.fused import GradTarget  # noqa: E402
+from tests.models import order_tolerance  # noqa: E402
 
 DEV = "cuda"
 
@@ -103,7 +104,7 @@ def test_wgrad_accumulates_in_place(backend, grad_dtype, fresh):
     exact = start + 2 * (dy.float().T @ x.float())
     assert not buffer[:256].any() and not buffer[256 + 384 * 256 :].any()
     if backend == "triton":
-        ref = start + 2 * ReferenceBackend().wgrad(dy, x)
+        ref = start + 2 * ReferenceBackend(get_recipe("mxfp8")).wgrad(dy, x)
         tol = 1e-5 if grad_dtype == torch.float32 else 4e-3
         assert rel_err(view, ref) < tol
     assert rel_err(view, exact) < 0.06
@@ -185,10 +186,14 @@ def test_gemm_bias_epilogue(scale_format, impl, accumulate):
         impl=impl,
     )
     padded = torch.cat([bias, bias.new_zeros(84)])
-    assert rel_err(out, plain + padded) < 1e-6
+    # the start, the product and the bias added in fp32 in some order (tests/models.py)
+    assert rel_err(out, plain + padded) < order_tolerance(terms=3)
     if scale_format is ScaleFormat.E8M0:  # and the product itself, against the dequantised operands
         exact = dequantize_operand(a).double() @ dequantize_operand(b).double().T + padded.double()
-        assert rel_err(out, exact + (start.double() if accumulate else 0)) < 1e-6
+        # fp32 accumulation over the 384-long contraction against float64
+        assert rel_err(out, exact + (start.double() if accumulate else 0)) < order_tolerance(
+            terms=384
+        )
 
 
 @pytest.mark.parametrize("backend", ["triton", "fp8"])
@@ -258,7 +263,7 @@ def test_mx_dequantize_and_gemm_read_tiny_and_nan_blocks_exactly():
     out = torch.zeros(160, 96, device=DEV)
     scaled_gemm(col, ycol, out, accumulate=True)
     exact = deq.double() @ dequantize_operand(ycol).double().T
-    assert rel_err(out, exact) < 1e-6
+    assert rel_err(out, exact) < order_tolerance(terms=224)  # fp32 over 224 tokens vs float64
     x[40, 11] = float("nan")
     _, col = quantize_rows_and_columns(x)
     assert dequantize_operand(col)[11].isnan().sum() == 32  # the NaN's whole block, nothing else

@@ -20,12 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import aligndp
-from aligndp.runtime.collectives import TorchCollectives
 from aligndp.runtime.wrapped_param import WrappedParameter
 from tests._dist import case, make_tests
 from tests._habits_models import (
     REL,
+    LateGathers,
     TorchDDP,
     backward_on,
     newton_schulz_fp32,
@@ -42,31 +41,6 @@ from tests.models import (
 )
 
 STEPS = 3
-
-
-class _Late:
-    """A gather's handle: its result is copied into the bucket only when waited for."""
-
-    def __init__(self, bucket: torch.Tensor, staged: torch.Tensor) -> None:
-        self.bucket, self.staged = bucket, staged
-
-    def wait(self) -> bool:
-        self.bucket.copy_(self.staged)
-        return True
-
-
-class LateGathers(TorchCollectives):
-    """``TorchCollectives`` whose param all-gathers land only when waited for."""
-
-    name = "late-gather"
-
-    def all_gather_shards(self, bucket: torch.Tensor) -> _Late:
-        staged = bucket.clone()
-        super().all_gather_shards(staged).wait()
-        return _Late(bucket, staged)
-
-
-aligndp.register_collectives(LateGathers.name, LateGathers)
 
 
 def each(fn):

@@ -20,7 +20,7 @@ from aligndp.lowp import MXLinear, convert_to_mxfp8, get_backend, recipe_names
 from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
 from aligndp.plan.fused import GradTarget
 from tests._dist import case, make_tests
-from tests.models import MLP
+from tests.models import MLP, assert_close, order_tolerance
 
 
 def by_hand(t: torch.Tensor) -> torch.Tensor:
@@ -43,16 +43,19 @@ def test_gemms_equal_the_hand_worked_reference(tokens, n_in, n_out, device):
     backend = get_backend("fp8-tensor")
     y, saved = backend.forward_for_backward(x, w)
 
-    def close(got, ref, atol_cpu):
+    def close(got, ref, what, terms):
+        if device == "cpu":  # the same products, summed over ``terms`` in fp32 in any order
+            assert_close(got, ref, what, order_tolerance(terms=terms))
+            return
         # Hopper's FP8 tensor cores accumulate with fewer mantissa bits than float32 (and the
         # forward uses cuBLAS's fast accumulation): on CUDA, within 1% of the largest entry
-        atol = atol_cpu if device == "cpu" else 1e-2 * ref.abs().max().item()
+        atol = 1e-2 * ref.abs().max().item()
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=atol)
 
-    close(y, by_hand(x) @ by_hand(w).T, 1e-5)
+    close(y, by_hand(x) @ by_hand(w).T, "forward", n_in)
     dx, dw = backend.backward(saved, dy, w, need_dgrad=True, need_wgrad=True, target=None)
-    close(dx, by_hand(dy) @ by_hand(w), 1e-8)
-    close(dw, by_hand(dy).T @ by_hand(x), 1e-8)
+    close(dx, by_hand(dy) @ by_hand(w), "dgrad", n_out)
+    close(dw, by_hand(dy).T @ by_hand(x), "wgrad", tokens)
     main_grad = torch.full((n_out, n_in), 0.5, device=device)
     live = GradTarget(main_grad, accumulate=True)
     backend.backward(saved, dy, w, need_dgrad=False, need_wgrad=True, target=live)
@@ -115,7 +118,8 @@ def test_one_outlier_sets_every_scale():
     x = torch.full((16, 16), 1e-3)
     x[0, 0] = 1e4
     q = get_backend("fp8-tensor").forward(x, torch.eye(16))
-    assert q[1:].abs().max() == 0 and q[0, 0] == pytest.approx(1e4, rel=0.07)
+    # E4M3 rounds the outlier to a 3-bit mantissa: within 2**-4 of it
+    assert q[1:].abs().max() == 0 and q[0, 0] == pytest.approx(1e4, rel=2**-4)
 
 
 def test_registered_for_every_consumer():
@@ -165,7 +169,14 @@ def check_fused_grads_match_per_rank_reference(sharding: str, rank: int, ws: int
                 want = torch.zeros_like(buf.grad_data)
                 for slot in buf.slots:
                     want[slot.start : slot.end] = expected[slot.name].flatten()
-                torch.testing.assert_close(buf.grad_data[lo:hi], want[lo:hi], rtol=1e-5, atol=1e-7)
+                # each rank's micro-batch quantised alike on both sides; fp32 adds the ws
+                # per-rank GEMMs of TOKENS rows in another order
+                assert_close(
+                    buf.grad_data[lo:hi],
+                    want[lo:hi],
+                    f"step {step} bucket {b}",
+                    order_tolerance(terms=ws * TOKENS),
+                )
         opt.zero_grad()
 
 

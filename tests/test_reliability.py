@@ -29,6 +29,7 @@ import aligndp
 from aligndp.plan.request import plan_buffers
 from aligndp.plan.spec import ParamSpec
 from aligndp.runtime import agreement
+from aligndp.runtime.ddp import DataParallel
 from aligndp.state.checkpoint import prune_checkpoints
 from tests._dist import case, make_tests
 
@@ -138,16 +139,14 @@ def case_agreeing_ranks_pass(rank, ws):
 
 
 @case(2)
-def case_parallelize_refuses_different_models(rank, ws):
-    """Through the public door: needs the check wired into DataParallel (the lead's line)."""
-    import inspect
-
-    from aligndp.runtime import ddp
-
-    if "check_ranks_agree" not in inspect.getsource(ddp):
-        return  # not wired yet: test_parallelize_check_is_wired reports it
+def case_parallelize_and_data_parallel_refuse_different_models(rank, ws):
+    """Through the public doors, on every rank: parallelize (each sharding) and DataParallel
+    itself. (This used to grep DataParallel.__init__'s source for the call instead.)"""
+    for sharding in ("none", "zero1"):
+        with pytest.raises(ValueError, match="ranks disagree.*'weight'"):
+            aligndp.parallelize(nn.Linear(4, 4 if rank == 0 else 5), sharding=sharding, lr=0.1)
     with pytest.raises(ValueError, match="ranks disagree.*'weight'"):
-        aligndp.parallelize(nn.Linear(4, 4 if rank == 0 else 5), lr=0.1)
+        DataParallel(nn.Linear(4, 4 if rank == 0 else 5))
 
 
 # ---- collectives that some ranks do not call ([Note: collective timeout]) ----
@@ -416,16 +415,6 @@ make_tests(globals())
 
 
 # ---- one process ----
-
-
-def test_parallelize_check_is_wired():
-    import inspect
-
-    from aligndp.runtime import ddp
-
-    assert "check_ranks_agree(" in inspect.getsource(ddp.DataParallel.__init__), (
-        "DataParallel must call aligndp.runtime.agreement.check_ranks_agree when it wraps"
-    )
 
 
 def test_collective_timeout_reads_argument_env_and_default(monkeypatch):

@@ -29,6 +29,9 @@ EXPECTED = [
     "zero1.vs_aligndp_ddp",
     "ddp_adamw.vs_torch",
     "muon.step",
+    "compile.vs_torch_ddp",
+    "compile.blocks_vs_torch_ddp",
+    "compile.hooks_ms",
     "mx.fp8_step",
     "mx.mxfp8_step",
     "mx.wgrad_mxfp8",
@@ -41,6 +44,9 @@ EXPECTED = [
 ]
 GPU_ONLY = [
     *EXPECTED[-3:],
+    "compile.vs_torch_ddp",
+    "compile.blocks_vs_torch_ddp",
+    "compile.hooks_ms",
     "mx.fp8_step",
     "mx.wgrad_mxfp8",
     "mx.wgrad_fp8",

@@ -9,6 +9,7 @@ tracebacks; a rank killed by a signal was reported as "their traceback is above"
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +20,15 @@ import time
 import pytest
 
 from aligndp.app import cli
-from aligndp.app.run_dir import LOCK_FILE, RunLock
+from aligndp.app.run_dir import (
+    IDENTITY,
+    LOCK_FILE,
+    MAY_CHANGE_ON_RESUME,
+    RunLock,
+    check_run_dirs,
+    write_run_files,
+)
+from aligndp.app.train_config import TrainConfig
 from aligndp.app.train_report import read_metrics
 
 QUICK = ["--steps", "4", "--batch-size", "8", "--eval-every", "0", "--nproc", "1"]
@@ -328,3 +337,67 @@ def test_lock_release_leaves_another_process_lock(tmp_path):
     (tmp_path / LOCK_FILE).write_text("1 elsewhere\n")  # replaced by someone else meanwhile
     lock.release()
     assert (tmp_path / LOCK_FILE).exists()
+
+
+def _a_finished_pid() -> int:
+    """The pid of a process that has exited (a local lookup finds no such process)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_a_lock_from_another_host_is_never_taken_over(tmp_path):
+    """Regression (issue 25): the lock's pid means nothing on this machine when another host
+    wrote it (a shared filesystem); a local pid lookup that finds no such process must not
+    make it stale. Same pid, this host: taken over (the lookup is right here)."""
+    pid = _a_finished_pid()
+    lock_text = f"{pid} another-host.example\n"
+    (tmp_path / LOCK_FILE).write_text(lock_text)
+    with pytest.raises(ValueError, match=f"pid {pid} on another-host.example"):
+        RunLock(str(tmp_path)).acquire()
+    assert (tmp_path / LOCK_FILE).read_text() == lock_text, "another host's lock was touched"
+    (tmp_path / LOCK_FILE).write_text(f"{pid} {os.uname().nodename}\n")
+    RunLock(str(tmp_path)).acquire().release()
+
+
+def test_every_option_is_in_the_identity_or_may_change_on_resume():
+    """A new TrainConfig field must be classified: part of the run's identity (a resume with
+    another value is refused) or one a resumed run may change. Unclassified, it would resume
+    silently with whatever value it is given."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not set(IDENTITY) & set(MAY_CHANGE_ON_RESUME)
+    assert set(IDENTITY) | set(MAY_CHANGE_ON_RESUME) == fields, (
+        f"unclassified: {sorted(fields - set(IDENTITY) - set(MAY_CHANGE_ON_RESUME))}"
+    )
+
+
+def _another(name: str, value):
+    """A valid value of TrainConfig field ``name`` other than ``value``."""
+    from aligndp.models.gpt import PRESETS
+
+    others = {
+        "preset": next(p for p in PRESETS if p != value),
+        "optimizer": "muon" if value != "muon" else "adamw",
+        "wgrad": "mxfp8" if value != "mxfp8" else "none",
+        "wgrad_layers": "all" if value != "all" else "pays",
+        "dtype": "bf16" if value != "bf16" else "fp32",
+        "data": "other.txt",
+    }
+    if name in others:
+        return others[name]
+    return value * 2 if isinstance(value, float) else value + 8
+
+
+@pytest.mark.parametrize("name", IDENTITY)
+def test_resume_with_another_identity_option_is_refused(tmp_path, name):
+    """Regression (issue 25): ``--resume`` with another ``--seed`` (or any other option of the
+    run's identity) is refused, naming the option and both values."""
+    config = TrainConfig(out=str(tmp_path), batch_size=8)
+    write_run_files(config, [config.out, config.checkpoint_path])
+    changed = dataclasses.replace(
+        config, resume=True, **{name: _another(name, getattr(config, name))}
+    )
+    check_run_dirs(dataclasses.replace(config, resume=True))  # the same identity resumes
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} {getattr(config, name)!r} there"):
+        check_run_dirs(changed)

@@ -49,13 +49,20 @@ def sources() -> dict[str, pathlib.Path]:
 
 
 def imports_of(path: pathlib.Path, known: set[str]) -> set[str]:
-    """aligndp modules ``path`` imports anywhere in its body (lazy imports count)."""
+    """aligndp modules ``path`` imports anywhere in its body (lazy imports count).
+
+    String imports count too: a string constant that is exactly a module's name, or
+    ``"module:attr"`` — ``importlib.import_module("aligndp.x")``, a registry's list of module
+    names, a backend named by import path — is an import that ``import`` statements hide."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a submodule's name only: "aligndp" alone is the project's name in messages
+            names = [node.value.partition(":")[0]] if "." in node.value else []
         else:
             continue
         found.update(n for n in names if n in known)
@@ -118,6 +125,21 @@ def test_checks_catch_what_they_should():
     cyc = {"aligndp.app.a": {"aligndp.app.b"}, "aligndp.app.b": {"aligndp.app.a"}}
     assert find_cycle(cyc) == ["aligndp.app.a", "aligndp.app.b", "aligndp.app.a"]
     assert find_cycle({"aligndp.app.a": {"aligndp.app.b"}, "aligndp.app.b": set()}) is None
+
+
+def test_string_imports_are_imports(tmp_path):
+    """Regression (issue 25): ``importlib`` hid the cycle recipes -> recipe_fp8_tensor ->
+    backends -> recipes from the checks above."""
+    known = {"aligndp.lowp.backends", "aligndp.lowp.recipe_mxfp8", "aligndp.lowp.triton_backend"}
+    source = tmp_path / "registry.py"
+    source.write_text(
+        "import importlib\n"
+        "def load():\n"
+        "    return importlib.import_module('aligndp.lowp.recipe_mxfp8')\n"
+        "PATHS = ('aligndp.lowp.triton_backend:TritonBackend',)\n"
+        "MESSAGE = 'see aligndp.lowp.backends for why'\n"  # prose naming a module is no import
+    )
+    assert imports_of(source, known) == {"aligndp.lowp.recipe_mxfp8", "aligndp.lowp.triton_backend"}
 
 
 def design_module_map() -> set[str]:

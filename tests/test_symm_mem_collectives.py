@@ -32,7 +32,16 @@ from aligndp.plan.spec import Mode
 from aligndp.runtime.collective_backends import make_collectives
 from aligndp.runtime.collectives import shard_of
 from tests._dist import case, make_tests
-from tests.models import batch, loss_of, make_net
+from tests.models import (
+    ADAMW_GAIN,
+    GLOBAL_BATCH,
+    TOKENS,
+    assert_close,
+    batch,
+    loss_of,
+    make_net,
+    order_tolerance,
+)
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # as when a benchmark script runs: its folder is importable
@@ -77,7 +86,9 @@ def gpu_ops_match_torch_distributed(rank: int, ws: int) -> None:
     plain.fill_(rank + 1.0)
     backend.all_reduce_mean(plain).wait()
     assert backend._region_of(plain) is None and torch.all(plain == (ws + 1) / 2)
-    for dtype, tol in ((torch.float32, (1e-6, 1e-7)), (torch.bfloat16, (8e-3, 1e-5))):
+    for dtype in (torch.float32, torch.bfloat16):
+        # NCCL's AVG and our pre-divided sum add the ws values in other orders
+        tol = order_tolerance(dtype, terms=ws)
         buf = backend.allocate(8000, dtype=dtype, device=dev, align_bytes=256)
         assert buf.data_ptr() % 256 == 0 and buf.numel() == 8000 and not buf.any()
         # [64, 64+ws*733): reduce-scatter; [3100, 4101): all-reduce with uneven chunks;
@@ -102,10 +113,9 @@ def gpu_ops_match_torch_distributed(rank: int, ws: int) -> None:
             assert all(not isinstance(w, dist.Work) for w in works), "fell back to NCCL"
             for w in works:
                 w.wait()
-            rtol, atol = tol
             got_rs = shard_of(rs, rank=rank, dp_size=ws)
-            torch.testing.assert_close(got_rs, want_rs, rtol=rtol, atol=atol)
-            torch.testing.assert_close(ar, want_ar, rtol=rtol, atol=atol)
+            assert_close(got_rs, want_rs, f"{dtype} reduce-scatter round {it}", tol)
+            assert_close(ar, want_ar, f"{dtype} all-reduce round {it}", tol)
             assert torch.equal(ag, want_ag), "all-gather copies bytes: exact"
             outside = torch.ones(8000, dtype=torch.bool, device=dev)
             for lo, hi in spans.values():
@@ -150,8 +160,10 @@ def _train(sharding: str, collectives: str, rank: int, ws: int, **kwargs):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
-    """fp32, tight: NCCL's AVG and our sum / dp_size may round differently."""
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{where}: {m}")
+    """fp32: NCCL's AVG and our sum / dp_size round differently, and the steps after carry it
+    through the GEMMs (60 token rows) and AdamW (tests/models.py [Tolerances])."""
+    rel = order_tolerance(terms=GLOBAL_BATCH * TOKENS, steps=STEPS, gain=ADAMW_GAIN)
+    assert_close(got, want, where, rel)
 
 
 def gpu_training_matches_the_torch_backend(rank: int, ws: int) -> None:

@@ -26,6 +26,7 @@ import uuid
 __all__ = [
     "IDENTITY",
     "LOCK_FILE",
+    "MAY_CHANGE_ON_RESUME",
     "OUTPUTS",
     "RUN_FILE",
     "RunLock",
@@ -37,8 +38,35 @@ __all__ = [
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
-IDENTITY = ("preset", "steps", "batch_size", "optimizer", "lr", "seed", "wgrad", "dtype", "data")
+IDENTITY = (
+    "preset",
+    "steps",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "seed",
+    "wgrad",
+    "wgrad_layers",
+    "dtype",
+    "data",
+)
 """TrainConfig fields that define a run: a checkpoint resumes only into the same values."""
+MAY_CHANGE_ON_RESUME = (
+    "micro_batches",
+    "sharding",
+    "nproc",
+    "device",
+    "eval_every",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "keep_last",
+    "resume",
+    "overwrite",
+    "out",
+    "timeout",
+)
+"""The other TrainConfig fields: how the run is split, checkpointed, reported and timed, not
+what it computes (up to rounding); every field is in exactly one of the two lists."""
 OUTPUTS = ("metrics.jsonl", "loss.png", "layout.png", "summary.json", RUN_FILE)
 """What ``aligndp train`` writes into ``--out`` (plus ``step-N`` checkpoints): all that
 ``--overwrite`` deletes."""

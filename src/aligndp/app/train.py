@@ -31,6 +31,22 @@ def _inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def check_can_compile(device: str) -> None:
+    """Raise a one-line ``ValueError`` where ``torch.compile``'s default backend (inductor)
+    cannot build kernels: Triton on CUDA, a C++ compiler on CPU."""
+    import importlib.util
+    import shutil
+
+    why = None
+    if device == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            why = "torch.compile on CUDA needs Triton, which is not installed"
+    elif not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+        why = "torch.compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH"
+    if why:
+        raise ValueError(f"--compile: {why}; install it or drop --compile")
+
+
 def preflight(config: TrainConfig) -> None:
     """Checks that need the machine or files, run once before any rank starts (so that a bad
     input is one clear error, not one per rank)."""
@@ -43,6 +59,8 @@ def preflight(config: TrainConfig) -> None:
     BatchSpec(config.batch_size, cfg.seq_len, config.nproc, config.micro_batches)
     load_data(config).check(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     wgrad_backend(config)  # raises for a recipe with no backend on --device
+    if config.compile:
+        check_can_compile(config.device)
     if config.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu")
@@ -151,8 +169,11 @@ def train(config: TrainConfig) -> dict:
             result = train_worker(config)
         else:
             from aligndp.app.train_loop import launched_worker
+            from aligndp.lowp.recipes import get_recipe
 
-            result = launch_local(launched_worker, config.nproc, config)[0]
+            # the ranks are fresh interpreters: a recipe registered at runtime goes with them
+            recipe = get_recipe(config.wgrad)
+            result = launch_local(launched_worker, config.nproc, config, recipe)[0]
     finally:
         for lock in locks:
             lock.release()

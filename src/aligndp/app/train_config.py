@@ -22,7 +22,6 @@ __all__ = ["TrainConfig", "add_arguments", "config_from_args"]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
-Wgrad = Literal[recipe_names()]  # the recipes registered at import (aligndp.lowp.recipes)
 WgradLayers = Literal["pays", "all"]
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16"]
@@ -44,8 +43,9 @@ class TrainConfig:
     """Optimizer that aligndp.parallelize builds."""
     sharding: Sharding = "none"
     """none: replicated optimizer state (all-reduce); zero1: optimizer state sharded over ranks."""
-    wgrad: Wgrad = "none"
-    """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer."""
+    wgrad: str = "none"
+    """Low-precision weight-gradient GEMMs accumulating into the aligned grad buffer: a wgrad
+    recipe registered when the flags are read (aligndp.register_recipe adds one)."""
     wgrad_layers: WgradLayers = "pays"
     """Which Linear layers --wgrad converts: pays (those whose GEMMs gain from FP8 on this GPU;
     none on a device without the format's fast path, e.g. a CPU) or all (every layer the
@@ -62,6 +62,11 @@ class TrainConfig:
     dtype: Dtype = "fp32"
     """fp32, or bf16 autocast for the forward and backward (params, grads and optimizer state
     stay fp32)."""
+    compile: bool = False
+    """torch.compile each transformer block (per-block, as torchtitan: bucket reductions still
+    overlap the backward). Off by default: on one H200 it removes most GPU time of small
+    models but costs a first-step compile of tens of seconds, and it is not yet measured
+    faster end to end here (benchmarks/compile_step.py)."""
     eval_every: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
     checkpoint_dir: str | None = None
@@ -110,7 +115,7 @@ class TrainConfig:
             )
         hints = typing.get_type_hints(TrainConfig)
         for field in dataclasses.fields(self):
-            choices = _choices(hints[field.name])
+            choices = _choices(field.name, hints[field.name])
             if choices and getattr(self, field.name) not in choices:
                 raise ValueError(
                     f"--{_flag(field.name)} {getattr(self, field.name)!r} is not one of "
@@ -133,7 +138,15 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _choices(hint: object) -> tuple[str, ...]:
+RUNTIME_CHOICES = {"wgrad": recipe_names}
+"""Fields whose choices are read when asked, not at import: a recipe registered at runtime
+(``aligndp.register_recipe``) is a valid ``--wgrad``, as it is for ``parallelize`` and
+``aligndp layout``."""
+
+
+def _choices(name: str, hint: object) -> tuple[str, ...]:
+    if name in RUNTIME_CHOICES:
+        return tuple(RUNTIME_CHOICES[name]())
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
@@ -170,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if hint is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
-        choices = _choices(hint)
+        choices = _choices(field.name, hint)
         if choices:
             kind = str
         else:

@@ -32,6 +32,7 @@ from aligndp.app.train_report import (
     params_hash,
     peak_memory_bytes,
 )
+from aligndp.lowp.recipe import Recipe
 from aligndp.models.gpt import GPT, PRESETS
 from aligndp.state.checkpoint import prune_checkpoints
 
@@ -120,12 +121,18 @@ def _device(config: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def launched_worker(config: TrainConfig) -> dict:
+def launched_worker(config: TrainConfig, recipe: Recipe | None = None) -> dict:
     """Entry point of a rank started by the elastic launcher: one thread per rank's share of cores.
 
+    ``recipe``: the ``--wgrad`` recipe as the launching process has it, registered here when
+    this fresh interpreter does not know it (one registered at runtime by the caller).
     Ctrl-C reaches every rank too: a rank leaves quietly with status 130 and the launching
     process prints the one line.
     """
+    from aligndp.lowp.recipes import recipe_names, register_recipe
+
+    if recipe is not None and recipe.name not in recipe_names():
+        register_recipe(recipe)
     if config.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.nproc))
     try:
@@ -211,8 +218,17 @@ def _setup(config: TrainConfig) -> _Job:
         lr=config.lr,
         wgrad=config.wgrad,
     )
+    if config.compile:
+        compile_blocks(module)
     peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
     return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
+
+
+def compile_blocks(module: GPT, backend: str = "inductor") -> None:
+    """``torch.compile`` each block in place (after parallelize: the params stay the wrapper's),
+    so every block's backward is its own node and its params' hooks fire as it ends."""
+    for name, block in list(module.blocks.named_children()):
+        module.blocks.register_module(name, torch.compile(block, backend=backend))
 
 
 def _train_step(job: _Job, step: int) -> float:

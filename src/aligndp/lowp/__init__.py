@@ -6,11 +6,12 @@ its own ``recipe_<name>.py`` and registered from the list in ``recipes.py``. Imp
 package never imports Triton; the GPU backends load it on first use.
 """
 
-from aligndp.lowp.backends import WgradBackend, get_backend
+from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.linear import MXLinear, convert_to_mxfp8
 from aligndp.lowp.mx_format import MXTensor, dequantize_mxfp8, quantize_mxfp8
 from aligndp.lowp.recipe import BackendRef, Recipe, ScaleFormat
 from aligndp.lowp.recipes import (
+    get_backend,
     get_recipe,
     recipe_names,
     register_recipe,

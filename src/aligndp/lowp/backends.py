@@ -13,8 +13,10 @@ the real view it was given (its pointer, shape, dtype), so a misplanned buffer i
 - ``triton`` / ``fp8`` (Hopper, :mod:`aligndp.lowp.triton_backend`): the recipe's quantise
   and block-scaled GEMM kernels, the wgrad accumulating in place (or writing, when the view
   holds nothing yet: [Note: write, not accumulate] in aligndp/plan/fused.py).
-Which backend a name means is read from the registered recipes; the GPU backends are
-imported (with Triton) on first use only, by module path.
+Which backend a name means is read from the registered recipes
+(:func:`aligndp.lowp.recipes.get_backend`; this module knows no registry, so a recipe module
+may define its backend next to its recipe); the GPU backends are imported (with Triton) on
+first use only, by module path.
 """
 
 from __future__ import annotations
@@ -26,14 +28,12 @@ import torch
 
 from aligndp.lowp.mx_format import dequantize_mxfp8, padded_length, quantize_mxfp8
 from aligndp.lowp.recipe import Recipe, ScaleFormat
-from aligndp.lowp.recipes import backend_names, find_backend, get_recipe
 from aligndp.plan.fused import GradTarget
 from aligndp.plan.spec import Requirement
 
 __all__ = [
     "WgradBackend",
     "ReferenceBackend",
-    "get_backend",
     "pad_tokens",
     "check_main_grad",
     "put_wgrad",
@@ -134,14 +134,15 @@ class WgradBackend(abc.ABC):
 
     name: str = ""
     """What ``get_backend`` calls it (a :class:`~aligndp.lowp.recipe.BackendRef` name)."""
-    default_recipe: str = "mxfp8"
-    """The recipe it runs when built with none."""
     scale_formats: tuple[ScaleFormat | enum.Enum, ...] = (ScaleFormat.E8M0,)
     """Scale formats it implements; building it for another recipe raises."""
 
-    def __init__(self, recipe: Recipe | str | None = None, *, name: str | None = None):
-        if not isinstance(recipe, Recipe):
-            recipe = get_recipe(recipe or self.default_recipe)
+    def __init__(self, recipe: Recipe, *, name: str | None = None):
+        if not isinstance(recipe, Recipe):  # this module knows no registry: see recipes.py
+            raise TypeError(
+                f"{type(self).__name__} is built for a Recipe, got {recipe!r}; use "
+                "aligndp.lowp.get_backend(name) or pass aligndp.lowp.get_recipe(name)"
+            )
         if recipe.scale_format not in self.scale_formats:
             raise ValueError(
                 f"backend {type(self).__name__} implements {[f.value for f in self.scale_formats]} "
@@ -273,27 +274,3 @@ class ReferenceBackend(WgradBackend):
     def wgrad(self, grad_out, x):
         block = self.block
         return self._mx(pad_tokens(grad_out, block), 0).T @ self._mx(pad_tokens(x, block), 0)
-
-
-def get_backend(backend: str | WgradBackend) -> WgradBackend:
-    """A backend instance by name (one of :func:`aligndp.lowp.recipes.backend_names`, e.g.
-    ``reference``, ``triton``, ``fp8``), built for the recipe that declares it; or ``backend``
-    itself."""
-    if isinstance(backend, WgradBackend):
-        return backend
-    found = find_backend(backend)
-    if found is None:
-        raise ValueError(
-            f"unknown MX backend {backend!r}: choose one of {', '.join(backend_names())} or "
-            "pass a WgradBackend"
-        )
-    recipe, ref = found
-    if ref.needs_cuda and not torch.cuda.is_available():
-        on_cpu = [b.name for b in recipe.backends if not b.needs_cuda] or [
-            n for n in backend_names() if not find_backend(n)[1].needs_cuda
-        ]
-        raise ValueError(
-            f"backend {backend!r} runs {recipe.name} kernels on a CUDA GPU (Hopper), and none "
-            f"is available; use backend={on_cpu[0]!r} on CPU"
-        )
-    return ref.load(recipe)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from aligndp.lowp.backends import WgradBackend, get_backend
+from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.layer_rule import capability_of, slow_reason
 from aligndp.lowp.ops import fused_wgrad, register_layer
 from aligndp.lowp.recipe import Recipe
-from aligndp.lowp.recipes import get_recipe
+from aligndp.lowp.recipes import get_backend, get_recipe
 from aligndp.plan.fused import GradSink
 from aligndp.plan.spec import Requirement
 

@@ -102,7 +102,6 @@ class TensorScaledBackend(WgradBackend):
     """Per-tensor FP8 GEMMs through ``torch._scaled_mm``, on any device it supports."""
 
     name = "fp8-tensor"
-    default_recipe = "fp8-tensor"
     scale_formats = (TensorScale.FP32_PER_TENSOR,)
 
     def forward(self, x, weight):

@@ -26,11 +26,24 @@ strictly in index order (bucket i waits for 0..i-1), so every rank issues the sa
 The first synchronised backward launches everything at its end.
 
 [Note: lazy zeroing]
-``zero_grad`` does not write the buffers; it marks every param's ``main_grad`` stale. A
-param's first gradient of the step is *copied* into its view, later ones added; a view still
-stale when its bucket is launched — an unused param — is zeroed then. A fused wgrad kernel
-handed a stale view overwrites it ([Note: write, not accumulate] in aligndp/plan/fused.py).
-Padding is never written, so it stays zero.
+``zero_grad`` zeroes each buffer of [Note: gradient as bucket view] in one op (autograd adds
+into those views) and only marks the other params' ``main_grad`` stale: such a param's first
+gradient of the step is *copied* into its view, later ones added; a view still stale when its
+bucket is launched — an unused param — is zeroed then. Either way a param is stale (unused)
+until something writes it. A fused wgrad kernel handed a stale view overwrites it
+([Note: write, not accumulate] in aligndp/plan/fused.py). Padding is never written, so it
+stays zero.
+
+[Note: gradient as bucket view]
+Where a buffer's grad dtype is its params' dtype, ``forward`` (grad enabled) makes each param's
+``param.grad`` its ``main_grad`` view when it is None (:meth:`GradSync.arm`), as torch DDP's
+``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the buffer itself, and the
+post-accumulate hook only counts (identity check, readiness counter: no copy, no Python work
+per element). The hook copies only off this path: a param whose grad dtype differs, a backward
+whose forward bypassed the wrapper, ``create_graph=True`` (autograd replaces ``param.grad``).
+Zeroing whole buffers at ``zero_grad`` writes every element once; the copy it replaces read
+and wrote them, and issued one kernel and one Python hook body per param. A param without a
+gradient in the step shows ``param.grad`` None again after the reduction, as in torch.
 """
 
 from __future__ import annotations
@@ -290,6 +303,9 @@ class DataParallel(GradSync, nn.Module):
         if self._param_gather is not None:
             self._param_gather.wait_all()
 
+    # [Note: compiled forward]: torch.compile runs this frame eagerly (the bookkeeping: step
+    # states, arming, gathers) and compiles the module's own forward inside it
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args, **kwargs):
         if self._replaced:
             raise RuntimeError(
@@ -301,6 +317,7 @@ class DataParallel(GradSync, nn.Module):
             self._broadcast_buffers()
         if torch.is_grad_enabled():
             self._reopen()  # before autograd accumulates into a ShardedGrad
+            self.arm()  # [Note: gradient as bucket view]
         out = self.module(*args, **kwargs)
         gather = self._param_gather
         if gather is not None and gather.in_flight:

@@ -1,5 +1,5 @@
-"""The gradient side of :class:`~aligndp.runtime.ddp.DataParallel`: hooks, readiness,
-reduction, step states.
+"""The gradient side of :class:`~aligndp.runtime.ddp.DataParallel`: hooks, step states (the
+reduction itself, readiness and the agreement: reduction.py).
 
 See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step states].
 :class:`GradSync` is a mixin: ``DataParallel`` provides ``params``, ``param_names``,
@@ -24,30 +24,36 @@ import torch
 import torch.nn as nn
 
 from aligndp.plan.fused import GradTarget
-from aligndp.plan.spec import Mode
 from aligndp.runtime.collectives import Work
 from aligndp.runtime.grads import same_storage
-from aligndp.runtime.step_flags import (
-    Agreed,
-    PendingFlags,
-    decode_flags,
-    encode_flags,
-    nonfinite_counts,
-    to_host_async,
-)
+from aligndp.runtime.reduction import Reduction
+from aligndp.runtime.step_flags import PendingFlags
 from aligndp.runtime.step_state import BucketRef, RoundReport, StepState
 
 __all__ = ["GradSync"]
 
+_ACCUMULATING = StepState.ACCUMULATING  # read per gradient: a global, not an enum lookup
 
-class GradSync:
-    """Gradient hooks, bucket readiness, the end-of-backward reduction and the step states."""
+
+class GradSync(Reduction):
+    """Gradient hooks and the step states; the reduction is :class:`Reduction`'s."""
 
     def _init_grad_sync(self) -> None:
         self._bucket_params = {
             ref: [p for p in self.params if self._slot[p].ref == ref] for ref in self.bucket_refs
         }
         self._position = {ref: k for k, ref in enumerate(self.bucket_refs)}
+        self._launch_position = {p: self._position[self._slot[p].ref] for p in self.params}
+        """param -> the launch position of its bucket."""
+        # [Note: gradient as bucket view]: where a buffer's grad dtype is its params' dtype,
+        # autograd accumulates straight into the view (``param.grad`` is the view)
+        self._direct_buffers = [
+            buf for buf in self.flat_buffers if buf.layout.grad_dtype == buf.layout.param_dtype
+        ]
+        self._direct: dict[nn.Parameter, torch.Tensor] = {
+            p: self._slot[p].view for buf in self._direct_buffers for p in buf.params
+        }
+        self._armed: set[nn.Parameter] = set()  # param.grad is its view, set by us
         self.state = StepState.IDLE
         self._pending_flags: PendingFlags | None = None
         self.reduction_listeners: list = []
@@ -64,6 +70,8 @@ class GradSync:
             {ref: self._spans(ref) for ref in self.bucket_refs} if self.config.check_finite else {}
         )
         self._works: dict[BucketRef, Work | None] = {}
+        self._waiting_after_reduction: list[int] = []
+        self._waiting: list[int] = []
         self._next_launch = 0
         self._launched_in_backward = 0
         self._sync_enabled = True
@@ -107,12 +115,29 @@ class GradSync:
         return list(self._works)
 
     # ---- hooks ----
+    def arm(self) -> None:
+        """Before a forward with grad: make every direct param's ``param.grad`` its view, so
+        autograd accumulates into the buffer itself ([Note: gradient as bucket view])."""
+        armed = self._armed
+        for p, view in self._direct.items():
+            if p.grad is None:
+                p.grad = view
+                armed.add(p)
+
     def _on_grad(self, param: nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
-        self._queue_end_of_backward()
+        if not self._callback_queued:
+            self._queue_end_of_backward()
         view = self._slot[param].view
+        if grad is view and param not in self._published:  # accumulated in place: nothing to do
+            self._stale.discard(param)
+            if self.state is not _ACCUMULATING:
+                self._reopen()
+                self._begin_accumulating()
+            self._arrived(param)
+            return
         if param in self._published:  # autograd accumulated onto the visible grad
             self._published.discard(param)  # (no forward through us): it is the new total
             if not same_storage(grad, view):
@@ -120,28 +145,36 @@ class GradSync:
             self._reopen()  # the other visible grads
         else:
             self._reopen()
-            if param in self._stale:
+            if param in self._stale or param in self._armed:  # the view was zero / is in grad
                 self._stale.discard(param)
                 view.copy_(grad.view_as(view))
             else:
                 view.add_(grad.view_as(view))
-        param.grad = None
+        if param in self._direct:
+            param.grad = view
+            self._armed.add(param)
+        else:
+            param.grad = None
         self._begin_accumulating()
         self._arrived(param)
 
     def _arrived(self, param: nn.Parameter) -> None:
-        assert self.state is StepState.ACCUMULATING, "a gradient arrives in ACCUMULATING only"
+        assert self.state is _ACCUMULATING, "a gradient arrives in ACCUMULATING only"
         self._used.add(param)
-        if param in self._unwaited:
+        if self._unwaited and param in self._unwaited:
             self._problems["stale_read"].add(param)
         if not self._sync_enabled:
             return
-        self._fired[param] += 1
-        if self._position[self._slot[param].ref] < self._next_launch:
+        fired = self._fired[param] = self._fired[param] + 1
+        position = self._launch_position[param]
+        if position < self._next_launch:
             self._problems["late"].add(param)  # only a fused layer used more often than last time
         elif self._expected is not None and self.config.overlap:
-            self._launch_ready()
-            self._launched_in_backward = self._next_launch
+            if fired == self._expected[param]:  # [Note: bucket readiness]: one count per bucket
+                self._waiting[position] -= 1
+                if position == self._next_launch:
+                    self._launch_ready()
+                    self._launched_in_backward = self._next_launch
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -154,10 +187,12 @@ class GradSync:
             self.finish_grad_sync()
 
     def _take(self, param: nn.Parameter) -> None:
-        """Zero a stale view before something accumulates into or reads it."""
+        """Zero a stale view before something accumulates into or reads it (the views of
+        direct buffers are zero already: zero_grad zeroed them whole)."""
         if param in self._stale:
             self._stale.discard(param)
-            self._slot[param].view.zero_()
+            if param not in self._direct:
+                self._slot[param].view.zero_()
 
     # ---- the named transitions ([Note: step states]) ----
     def _begin_accumulating(self) -> None:
@@ -189,158 +224,17 @@ class GradSync:
                 flat[hi:].zero_()
                 flat[lo:hi].mul_(self.dp_size)
                 self._used.add(p)
-            p.grad = None
-        self._published.clear()
-
-    # ---- readiness and collectives ----
-    def _bucket_ready(self, ref: BucketRef) -> bool:
-        assert self._expected is not None
-        return all(0 < self._expected[p] <= self._fired[p] for p in self._bucket_params[ref])
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.bucket_refs) and self._bucket_ready(
-            self.bucket_refs[self._next_launch]
-        ):
-            self._launch(self.bucket_refs[self._next_launch])
-
-    def _launch(self, ref: BucketRef) -> None:
-        assert ref == self.bucket_refs[self._next_launch], "buckets launch in index order"
-        buf = self.flat_buffers[ref.buffer]
-        for p in self._bucket_params[ref]:
-            if p not in self._stale and p not in self._eager_zero:
-                self._used.add(
-                    p
-                )  # written since zero_grad: by autograd, a fused kernel or the user
-            self._take(p)
-        grad = buf.bucket_grad(ref.bucket)
-        if self.config.check_finite:
-            self._check_finite(ref, grad)
-        if self.dp_size == 1:
-            self._works[ref] = None
-        elif buf.layout.mode is Mode.REPLICATED:
-            self._works[ref] = self.collectives.all_reduce_mean(grad)
-        else:
-            self._works[ref] = self.collectives.reduce_scatter_mean(grad)
-        self._next_launch += 1
-
-    def _spans(self, ref: BucketRef) -> torch.Tensor:
-        """``(3, k)`` int64 on the device: flag index, start and end (in the bucket) of each
-        of the bucket's k params, for :meth:`_check_finite`."""
-        buf = self.flat_buffers[ref.buffer]
-        first = buf.layout.buckets[ref.bucket].start
-        rows = [
-            (self._slot[p].index, s.start - first, s.end - first)
-            for p, s in zip(buf.params, buf.slots)
-            if s.bucket == ref.bucket
-        ]
-        return torch.tensor(rows, dtype=torch.int64).t().contiguous().to(self.device)
-
-    def _check_finite(self, ref: BucketRef, grad: torch.Tensor) -> None:
-        """Count non-finite local gradient elements per param: one pass over the bucket, on
-        the device (no host sync; the counts are read with the agreement)."""
-        if self._nonfinite is None:
-            self._nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        index, starts, ends = self._finite_spans[ref]
-        counts = nonfinite_counts(grad, starts=starts, ends=ends)
-        self._nonfinite.index_add_(0, index, counts.to(torch.int32))
-
-    def finish_grad_sync(self) -> None:
-        """Reduce what has accumulated (launch every bucket not yet launched, wait for all),
-        agree with the other ranks and publish ``param.grad``: ACCUMULATING -> REDUCED, a
-        no-op in any other state. Runs by itself at the end of every synchronised backward.
-
-        [Note: agreement without a host sync]
-        The flags' all-reduce is always launched, but read on the host only when this rank
-        needs the answer now: some param had no gradient here (is it used elsewhere?) or
-        ``check_finite`` (skip or raise before the step). When every param had a gradient
-        here, every param has one globally, so nothing waits: the flags are copied to pinned
-        memory behind an event, and the problems they may carry (rare: a fused layer used
-        more often, a stale read) are raised at the end of the next reduction, on every rank
-        alike."""
-        if self.state is not StepState.ACCUMULATING:
-            return
-        self._raise_pending_problems()
-        while self._next_launch < len(self.bucket_refs):
-            self._launch(self.bucket_refs[self._next_launch])
-        for work in self._works.values():
-            if work is not None:
-                work.wait()
-        flags = self._flags()
-        if len(self._used) == len(self.params) and not self.config.check_finite:
-            used, nonfinite, problems = self.params, "", ""
-            self._pending_flags = to_host_async(flags)
-        else:
-            used, nonfinite, problems = self._decode(flags.tolist())
-        self.last_round = RoundReport(self._launched_in_backward, len(self.bucket_refs), len(used))
-        self._expected = dict(self._fired)
-        self._reset_round()
-        self.reductions += 1
-        self.state = StepState.REDUCED
-        for p in used:
-            slot = self._slot[p]
-            if slot.sharded_grad is not None:
-                p.grad = slot.sharded_grad
+            if p in self._direct:  # autograd goes on accumulating into the view
+                if p.grad is not slot.view:
+                    p.grad = slot.view
+                self._armed.add(p)
             else:
-                p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)
-            self._published.add(p)
-        for listener in self.reduction_listeners:
-            listener()
-        self.nonfinite = None
-        if nonfinite:
-            skip = self.config.on_nonfinite == "skip"
-            self.nonfinite = (
-                f"non-finite (NaN/Inf) gradient elements before the reduction: {nonfinite}; "
-                + (
-                    "the optimizer step is skipped on every rank"
-                    if skip
-                    else "lower the learning rate or check the loss, then call opt.zero_grad() "
-                    "to drop this step (or parallelize(..., on_nonfinite='skip') to skip such "
-                    "steps on every rank)"
-                )
-            )
-            if not skip:
-                raise FloatingPointError(self.nonfinite)
-        if problems:
-            raise RuntimeError(problems)
-
-    def _flags(self) -> torch.Tensor:
-        """This rank's flags (step_flags.py), summed over the ranks."""
-        nonfinite = None
-        if self.config.check_finite:
-            nonfinite = self._nonfinite
-            if nonfinite is None:
-                nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        local = encode_flags(
-            self.params,
-            used=self._used,
-            late=self._problems["late"],
-            stale_read=self._problems["stale_read"],
-            nonfinite=nonfinite,
-            rank=self.rank,
-            dp_size=self.dp_size,
-            device=self.device,
-        )
-        if self.dp_size > 1:
-            self.collectives.all_reduce_sum(local)
-        return local
-
-    def _decode(self, values: list[int]) -> Agreed:
-        return decode_flags(values, params=self.params, names=self.param_names)
-
-    def _raise_pending_problems(self) -> None:
-        """Problems the last unread agreement carried (long finished by now): raise them
-        everywhere."""
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is None:
-            return
-        if pending.event is not None:
-            pending.event.synchronize()
-        problems = self._decode(pending.host.tolist()).problems
-        if problems:
-            raise RuntimeError(f"in the previous step: {problems}")
+                p.grad = None
+        self._published.clear()
 
     def _reset_round(self) -> None:
         self._fired = dict.fromkeys(self._fired, 0)
+        self._waiting = list(self._waiting_after_reduction)
         self._works.clear()
         self._next_launch = 0
         self._launched_in_backward = 0
@@ -363,10 +257,14 @@ class GradSync:
         """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
         every ``param.grad`` is dropped."""
         self._stale = set(self.params) - self._eager_zero
+        for buf in self._direct_buffers:  # one op per buffer ([Note: gradient as bucket view])
+            buf.grad_data.zero_()
         for p in self._eager_zero:
-            self._slot[p].view.zero_()
+            if p not in self._direct:
+                self._slot[p].view.zero_()
         for p in self.params:
             p.grad = None
+        self._armed.clear()
         self._published.clear()
         self._reset_round()
         self._callback_queued = False

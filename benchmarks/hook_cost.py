@@ -1,0 +1,120 @@
+r"""Host time of the gradient hooks per step: plain torch, torch DDP and aligndp, one rank.
+
+    python benchmarks/hook_cost.py                      # CPU, gloo, 1 rank (seconds)
+    python benchmarks/hook_cost.py --device cuda --preset gpt2-small --batch 8
+
+Issue 22: under ``torch.compile`` the GPU finishes the backward before the host has issued the
+per-param gradient hooks, so their host cost is the step. What counts here is the host (CPU)
+time torch.profiler books under ``autograd::engine::evaluate_function: ...AccumulateGrad``:
+autograd's accumulation into ``param.grad`` plus every hook that runs on it (aligndp's
+post-accumulate hooks, torch DDP's C++ reducer hooks). Plain torch (no wrapper) is the floor.
+
+On CPU the default model has gpt2-small's 148 params at tiny widths, so the numbers are the
+per-param host work, not arithmetic. Prints one JSON line per variant and the ratios against
+torch DDP measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+
+import aligndp
+from aligndp.models.gpt import GPT, PRESETS, GPTConfig
+
+HOOK_EVENT = "AccumulateGrad"
+"""Substring of the profiler event that holds autograd's accumulation and the hooks on it."""
+
+# gpt2-small's structure (12 blocks, tied head: 148 params) at widths a CPU steps in ms
+NARROW = GPTConfig(vocab_size=256, seq_len=64, dim=64, num_layers=12, head_dim=16, tied=True)
+
+VARIANTS = ("torch", "torch_ddp", "aligndp_none", "aligndp_zero1")
+
+
+def hook_host_ms(prof, steps: int) -> float:
+    """Host ms per step in autograd's gradient accumulation and the hooks on it."""
+    return (
+        sum(
+            e.cpu_time_total
+            for e in prof.key_averages()
+            if e.key.startswith("autograd::engine::evaluate_function") and HOOK_EVENT in e.key
+        )
+        / steps
+        / 1e3
+    )
+
+
+def build(variant: str, cfg: GPTConfig, device: torch.device):
+    """(model, optimizer) of one variant, fp32 params, AdamW."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = GPT(cfg)
+    fused = device.type == "cuda"
+    if variant == "torch":
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)
+    if variant == "torch_ddp":
+        ddp = nn.parallel.DistributedDataParallel(m, gradient_as_bucket_view=True)
+        return ddp, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)
+    sharding = variant.removeprefix("aligndp_")
+    return aligndp.parallelize(m, optimizer="adamw", lr=1e-4, sharding=sharding)
+
+
+def measure(model, opt, idx: torch.Tensor, *, steps: int, warmup: int, device) -> float:
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return hook_host_ms(prof, steps)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--preset", default=None, help="a GPT preset (default: 148 narrow params)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median reported")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+        )
+    cfg = PRESETS[args.preset] if args.preset else NARROW
+    idx = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
+    built = {v: build(v, cfg, device) for v in VARIANTS}
+    ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for v in VARIANTS:
+            ms[v].append(
+                measure(*built[v], idx, steps=args.steps, warmup=args.warmup, device=device)
+            )
+    result = {v: statistics.median(x) for v, x in ms.items()}
+    params = sum(1 for p in built["torch"][0].parameters() if p.requires_grad)
+    for v in VARIANTS:
+        row = {"variant": v, "hook_host_ms_per_step": round(result[v], 3), "params": params}
+        row["vs_torch_ddp"] = round(result[v] / result["torch_ddp"], 3)
+        print(json.dumps(row), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
