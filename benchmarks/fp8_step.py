@@ -1,7 +1,9 @@
 """FP8 training steps against the peers a user would pick instead, one GPU, one process (issue 23).
 
 Variants (``--variants``, comma-separated; ``+compile`` = ``torch.compile`` of the model):
-``bf16`` / ``bf16+compile`` (plain torch, fused AdamW), ``torchao+compile`` (torchao float8
+``bf16`` / ``bf16+compile`` (plain torch, fused AdamW), ``aligndp`` / ``aligndp+compile``
+(bf16 through ``aligndp.parallelize`` with no FP8 layer: the data-parallel runtime's own share
+of an FP8 variant's time), ``torchao+compile`` (torchao float8
 tensorwise with its own auto layer filter, when torchao is importable), and every aligndp recipe
 ``fp8-tensor``, ``fp8``, ``mxfp8``, eager and ``+compile``, each converting the layers its default
 rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run). A recipe
@@ -40,7 +42,7 @@ from aligndp.lowp.recipes import get_recipe
 from aligndp.models.gpt import PRESETS
 
 RECIPES = ("fp8-tensor", "fp8", "mxfp8")
-DEFAULT_VARIANTS = "bf16,bf16+compile,torchao+compile," + ",".join(
+DEFAULT_VARIANTS = "bf16,bf16+compile,aligndp,aligndp+compile,torchao+compile," + ",".join(
     f"{r}{c}" for r in RECIPES for c in ("", "+compile")
 )
 
@@ -87,6 +89,10 @@ def build(variant: str, args, device: torch.device):
     note = ""
     if kind == "bf16":
         model, opt = module, torch.optim.AdamW(module.parameters(), lr=3e-4, fused=fused)
+    elif kind == "aligndp":  # bf16 through aligndp.parallelize, no FP8: the runtime's share
+        model, opt = aligndp.parallelize(
+            module, optimizer="adamw", lr=3e-4, process_group=args.process_group
+        )
     elif kind == "torchao":
         if not torchao_available():
             return None, None, "torchao is not importable"

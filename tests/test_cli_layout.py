@@ -332,15 +332,19 @@ def test_gpt2_small_shows_the_buckets_the_run_builds(capsys, flags, kwargs):
 
 
 def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
-    """1b on Hopper (the default --capability 9.0): fp8 1x128 converts qkv and fc (torchao's
-    rowwise rule keeps layers with out <= 2048: proj, out); MXFP8 on sm_100 by the same rule;
-    no recipe converts anything on a CPU, and says why once."""
+    """1b on Hopper (the default --capability 9.0): fp8-tensor converts the 16 blocks' out
+    (8192 -> 2048, the one shape where the H200 sweep measured a gain) and fp8 1x128 nothing
+    (no gain measured up to 8192 x 8192); MXFP8 on sm_100 converts qkv and fc (torchao's
+    rowwise rule keeps out <= 2048: proj, out); no recipe converts anything on a CPU, and
+    says why once."""
     from aligndp.lowp import layer_rule
 
     monkeypatch.setattr(layer_rule, "_WARNED", set())  # warned once per process: not yet here
-    code, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "fp8")
+    code, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "fp8-tensor")
     assert code == 0
-    assert "wgrad fp8: converts 32 of 65 Linear layers (blocks.*.qkv, blocks.*.fc); keeps " in out
+    assert "wgrad fp8-tensor: converts 16 of 65 Linear layers (blocks.*.out); keeps " in out
+    _, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "fp8")
+    assert "wgrad fp8: converts 0 of 65 Linear layers (none); keeps " in out
     _, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "mxfp8", "--capability", "10.0")
     assert "wgrad mxfp8: converts 32 of 65" in out
     with pytest.warns(UserWarning, match="no fast path on a CPU"):

@@ -144,10 +144,13 @@ def test_compiled_step_on_gpu(backend):
 @NEEDS_CUDA
 def test_inductor_on_gpu():
     """The one Inductor case: the per-tensor quantise becomes Inductor's own fused kernels.
-    Its division may round differently from torch's in the last bit, flipping an element's
-    E4M3 rounding (one step, 2**-3 relative) on rare elements: a handful among each tensor's
-    8192 moves a norm by well under 1e-2."""
-    check_compiled_like_eager("fp8-tensor", "cuda", "inductor", rel=1e-2)
+    Inductor keeps fused intermediates in float32 where eager rounds them to bf16, and its
+    division is Triton's approximate one, so the operands reaching each quantise differ in
+    their last bits and many elements land in the neighbouring E4M3 value: each result may
+    differ from eager's by up to the quantisation error itself, 2**-4 relative (half an E4M3
+    step; measured on H200: 2.1e-2 for the first layer's main_grad). A dropped, doubled or
+    unscaled wgrad is off by 1 or more."""
+    check_compiled_like_eager("fp8-tensor", "cuda", "inductor", rel=2**-4)
 
 
 @pytest.mark.parametrize(
@@ -197,9 +200,13 @@ def test_triton_ops_pass_opcheck(block, mx):
     torch.library.opcheck(torch.ops.aligndp.quantize_rc, (x, block, mx, True, True))
     row = torch.ops.aligndp.quantize_rc(x, block, mx, True, False)
     w = torch.ops.aligndp.quantize_rc(x[:128], block, mx, True, False)
-    torch.library.opcheck(
-        torch.ops.aligndp.scaled_mm, (row[0], row[1], w[0], w[1], block, mx, torch.bfloat16, None)
-    )
+    args = (row[0], row[1], w[0], w[1], block, mx, torch.bfloat16, None)
+    before = [t.view(torch.uint8).clone() for t in args[:4]]
+    # test_schema's mutation check multiplies the inputs, which CUDA has no FP8 kernel for
+    # ("mul_cuda" not implemented for Float8_e4m3fn): the inputs are compared bytewise instead
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.aligndp.scaled_mm, args, test_utils=utils)
+    assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(args[:4], before))
 
 
 @pytest.fixture(scope="module")

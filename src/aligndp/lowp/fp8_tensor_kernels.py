@@ -11,8 +11,8 @@ launches and one allocation. The amax scalar is a per-device workspace that is n
 a launch of its own: each cast program takes a ticket (``atomic_add``, acquire-release, after
 its read of the amax), and the program that takes the last ticket sets the amax and the ticket
 back to 0 for the next quantise on the stream. The FP8 data, its transpose and the scale share
-one allocation. Quantises on two streams at once would share the workspace: the recipe
-quantises on the current stream only.
+one allocation (each FP8 tensor 256-byte aligned). Quantises on two streams at once would share
+the workspace: the recipe quantises on the current stream only.
 """
 
 from __future__ import annotations
@@ -123,16 +123,17 @@ def quantize_per_tensor(
     block, unroll = AMAX_LOOP
     grid = (max(1, min(triton.cdiv(x.numel(), block * unroll), _programs(index))),)
     _amax_kernel[grid](x, amax, x.numel(), BLOCK=block, UNROLL=unroll, num_warps=8)
-    # one allocation: [scale, 16 B][q][q_t], each FP8 tensor 16-byte aligned for cuBLASLt
-    numel_16 = triton.cdiv(m * n, 16) * 16
-    buf = torch.empty(16 + numel_16 * (2 if transposed else 1), dtype=torch.uint8, device=x.device)
-    scale = buf[:4].view(torch.float32).view(())
-    q = buf[16 : 16 + m * n].view(torch.float8_e4m3fn).view(m, n)
-    q_t = (
-        buf[16 + numel_16 : 16 + numel_16 + m * n].view(torch.float8_e4m3fn).view(n, m)
-        if transposed
-        else q
-    )
+    # one allocation: [q][q_t][scale], each FP8 tensor 256-byte aligned as a tensor of its own
+    # would be (cuBLASLt may pick its GEMM by the operands' alignment: the same bits as the
+    # torch-op path under torch.compile need the same pick)
+    numel_256 = triton.cdiv(m * n, 256) * 256
+    end = numel_256 * (2 if transposed else 1)
+    buf = torch.empty(end + 4, dtype=torch.uint8, device=x.device)
+    scale = buf[end:].view(torch.float32).view(())
+    q = buf[: m * n].view(torch.float8_e4m3fn).view(m, n)
+    q_t = q
+    if transposed:
+        q_t = buf[numel_256 : numel_256 + m * n].view(torch.float8_e4m3fn).view(n, m)
     bm, bn, warps = TILE
     _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, amax, ticket, q, q_t, scale, m, n, BM=bm, BN=bn, WRITE_T=transposed, num_warps=warps

@@ -11,15 +11,23 @@ recipe declares a :class:`GainRule`:
   are Hopper kernels (sm_90); MXFP8 needs block-scaled tensor cores (sm_100, Blackwell), and on
   Hopper our Triton backend dequantises to bf16 — emulated, a correctness path. No CPU has a
   fast path, so the CPU backends (reference, fp8-tensor) are correctness paths too.
-- the layer shapes below which FP8 does not gain (``skip``): a layer with ``in_features <= K``
-  and ``out_features <= N`` for any listed ``(K, N)`` stays ``nn.Linear``. The figures are
-  torchao 0.18's, measured on H100 at the forward's M = 16384 tokens with ``torch.compile``
-  (``torchao.float8.float8_linear_utils._auto_filter_for_tensorwise``: skip K <= 4096 and
-  N <= 1024; ``_auto_filter_for_rowwise``: skip N <= 2048, K <= 1024, or N <= 4096 and
-  K <= 2048; the torchao float8 README's "Performance" tables). Per-tensor FP8 takes the
-  tensorwise rule; the 1x128 and MXFP8 recipes, whose quantise writes a scale per block as
-  rowwise scaling does per row, take the rowwise one. ``benchmarks/fp8_step.py`` measures
-  whole steps with these defaults on H200.
+- the layer shapes where FP8 does not gain (``skip``): a layer with ``in_features <= K`` and
+  ``out_features <= N`` for any listed ``(K, N)`` stays ``nn.Linear``. The per-tensor and
+  1x128 boxes are measured on H200 (``benchmarks/fp8_layer_sweep.py``: one Linear's fwd+bwd
+  at M = 8192 tokens, bf16 autocast, fp32 weight, each recipe's time over bf16's in the same
+  mode; benchmarks/results/fp8_step_2026-12-01.md). A shape converts only where the ratio
+  clearly pays (<= 0.9). Measured, per-tensor (eager / compiled): 768x2304 2.63 / 1.35,
+  768x768 2.22 / 1.21, 768x3072 2.65 / 1.08, 3072x768 2.79 / 1.32, 2048x6144 1.76 / 1.40,
+  2048x2048 2.58 / 1.56, 2048x8192 1.09 / 1.11, 8192x2048 1.02 / **0.80**; 1x128 eager
+  1.13-3.87 at the same shapes, compiled 2.17-2.68 at gpt2-small's. So per-tensor converts
+  only ``in >= 8192`` with ``out >= 2048`` (``FP8_TENSOR_SKIP``; at 1b that is ``blocks.*.out``,
+  about break-even eager), and 1x128 nothing up to 8192 x 8192 (``FP8_BLOCK_SKIP``; beyond,
+  torchao's rowwise rule, unmeasured here). At these sizes the quantise passes and the host's
+  launches cost more than the FP8 GEMM saves; torchao's own tensorwise rule (skip ``in <= 4096``
+  and ``out <= 1024``, H100, M = 16384) converts gpt2-small's qkv and fc, which lose here.
+  MXFP8 keeps torchao 0.18's rowwise rule (``_auto_filter_for_rowwise``: skip out <= 2048,
+  in <= 1024, or in <= 2048 and out <= 4096), unmeasured: Hopper has no MXFP8 fast path.
+  The measured token count is 8192; fewer tokens per step gain less.
 
 ``convert_to_mxfp8(layers="pays")`` (the default; ``aligndp train --wgrad-layers pays``)
 applies the rule; ``layers="all"`` converts every layer the recipe can run (dims multiples of
@@ -40,18 +48,21 @@ import torch
 
 __all__ = [
     "GainRule",
-    "TENSORWISE_SKIP",
     "BLOCKWISE_SKIP",
+    "FP8_BLOCK_SKIP",
+    "FP8_TENSOR_SKIP",
     "capability_of",
     "slow_reason",
     "describe_plan",
 ]
 
-TENSORWISE_SKIP = ((4096, 1024),)
-"""torchao's tensorwise rule: FP8 does not gain where ``in <= 4096`` and ``out <= 1024``."""
 BLOCKWISE_SKIP = ((math.inf, 2048), (1024, math.inf), (2048, 4096))
 """torchao's rowwise rule: not where ``out <= 2048``, ``in <= 1024``, or ``in <= 2048`` and
 ``out <= 4096``."""
+FP8_TENSOR_SKIP = ((8191, math.inf), (math.inf, 2047))
+"""Per-tensor FP8, measured on H200: gains only where ``in >= 8192`` and ``out >= 2048``."""
+FP8_BLOCK_SKIP = BLOCKWISE_SKIP + ((8192, 8192),)
+"""1x128 FP8, measured on H200: no gain up to ``in, out <= 8192``; torchao's rowwise beyond."""
 
 _WARNED: set[tuple[str, str]] = set()
 
