@@ -378,3 +378,13 @@ def ckpt(name: str) -> str:
     """A path in the directory every process of this test session shares (created by the
     pytest process, inherited by the spawned ranks through ``ALIGNDP_TEST_CKPT_DIR``)."""
     return os.path.join(os.environ["ALIGNDP_TEST_CKPT_DIR"], name)
+
+
+# ---- damage to a checkpoint file ----
+def zero_middle(path) -> None:
+    """4 KiB of zeros in the middle of a file, its size unchanged."""
+    size = os.path.getsize(path)
+    start = max(0, size // 2 - 2048)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(min(4096, size - start)))

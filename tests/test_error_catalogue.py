@@ -26,6 +26,7 @@ from aligndp.runtime import agreement
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.state.checkpoint import prune_checkpoints
 from aligndp.user_input import check_parallelize_inputs
+from tests.models import zero_middle
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +60,6 @@ def write(path, text: str) -> None:
 def truncate(path) -> None:
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-
-
-def zero_middle(path) -> None:
-    """4 KiB of zeros in the middle of a file, its size unchanged."""
-    size = os.path.getsize(path)
-    start = max(0, size // 2 - 2048)
-    with open(path, "r+b") as f:
-        f.seek(start)
-        f.write(bytes(min(4096, size - start)))
 
 
 def load_damaged(damage):

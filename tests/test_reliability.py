@@ -32,6 +32,7 @@ from aligndp.runtime import agreement
 from aligndp.runtime.ddp import DataParallel
 from aligndp.state.checkpoint import prune_checkpoints
 from tests._dist import case, make_tests
+from tests.models import zero_middle
 
 TIMEOUT_S = 2.0
 os.environ[agreement.TIMEOUT_ENV] = str(TIMEOUT_S)  # inherited by the spawned ranks
@@ -325,15 +326,6 @@ DAMAGES = {
     ),
     "missing directory": (lambda p: shutil.rmtree(p), "the path does not exist"),
 }
-
-
-def zero_middle(path: str) -> None:
-    """4 KiB of zeros in the middle of a file, its size unchanged."""
-    size = os.path.getsize(path)
-    start = max(0, size // 2 - 2048)
-    with open(path, "r+b") as f:
-        f.seek(start)
-        f.write(bytes(min(4096, size - start)))
 
 
 def _truncate(path: str) -> None:
