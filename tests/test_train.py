@@ -243,6 +243,22 @@ def test_mxfp8_wgrad_stays_close_to_fp32(one_rank, tmp_path, capsys):
     assert 1e-4 < max(gaps) < 0.03, gaps
 
 
+def test_fp8_param_gather_trains_as_the_full_precision_gather(tmp_path, capsys):
+    """--fp8-param-gather moves the converted layers' weights as FP8 bytes plus a scale
+    ([Note: FP8 param gather]). With fp32 params the forward GEMM quantises the same fp32 master
+    either way (one scale per whole tensor), so the two runs' losses agree to the bit; the
+    flag without --sharding zero1 is a one-line error. One rank, in this process (the gathers
+    at dp 2 and 3 are tests/test_fp8_param_gather.py's)."""
+    args = ["--steps", "4", "--batch-size", "8", "--eval-every", "0", "--seed", "3"]
+    args += ["--wgrad", "fp8-tensor", "--wgrad-layers", "all", "--nproc", "1"]
+    assert _train([*args, "--sharding", "zero1"], tmp_path / "plain") == 0
+    assert _train([*args, "--sharding", "zero1", "--fp8-param-gather"], tmp_path / "fp8") == 0
+    assert _losses(tmp_path / "fp8") == _losses(tmp_path / "plain")
+    capsys.readouterr()
+    assert _train([*args, "--fp8-param-gather"], tmp_path / "refused") == 2
+    assert "fp8_param_gather=True gathers sharded params" in _error_line(capsys)
+
+
 def test_recipe_registered_at_runtime_trains_on_launched_ranks(two_ranks, tmp_path):
     """Regression (issue 25): ``--wgrad`` took only the recipes registered when the CLI module
     was imported, and the launched ranks (fresh interpreters) would not know one registered by
@@ -301,6 +317,7 @@ def test_flags_are_pinned():
         "--sharding",
         "--wgrad",
         "--wgrad-layers",
+        "--fp8-param-gather",
         "--lr",
         "--seed",
         "--nproc",

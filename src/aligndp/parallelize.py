@@ -29,7 +29,12 @@ from aligndp.plan.spec import (
     numel_cost,
 )
 from aligndp.runtime.ddp import DataParallel, DDPConfig
-from aligndp.user_input import check_master_weights, check_parallelize_inputs, take_torch_ddp_kwargs
+from aligndp.user_input import (
+    check_fp8_param_gather,
+    check_master_weights,
+    check_parallelize_inputs,
+    take_torch_ddp_kwargs,
+)
 
 __all__ = ["parallelize", "plan_request", "SHARDINGS"]
 
@@ -40,6 +45,22 @@ def _wgrad_requirements(wgrad: str | None) -> list[Requirement]:
     from aligndp.lowp.recipes import wgrad_requirements
 
     return wgrad_requirements("none" if wgrad is None else wgrad)
+
+
+def _fp8_gather_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """The weights ``fp8_param_gather`` gathers in FP8 ([Note: FP8 param gather] in
+    aligndp/runtime/gather_codec.py): those of the layers converted to ``fp8-tensor``."""
+    from aligndp.lowp.fp8_gather import Fp8TensorGatherCodec, fp8_gathered_weights
+
+    names = fp8_gathered_weights(model)
+    if not names:
+        raise ValueError(
+            "fp8_param_gather=True, but no trainable weight of the model is in a layer "
+            "converted to fp8-tensor, so nothing would be gathered in FP8: convert first "
+            "(aligndp.lowp.convert_to_mxfp8(model, backend='fp8-tensor'; layers='all' converts "
+            "every layer it can run, `aligndp train --wgrad-layers all`) or drop fp8_param_gather"
+        )
+    return dict.fromkeys(names, Fp8TensorGatherCodec.dtype)
 
 
 def _use_fused_kernels(model: nn.Module, opt_class: type, optimizer_kwargs: dict) -> bool:
@@ -65,12 +86,14 @@ def plan_request(
     grad_dtype: torch.dtype | None = None,
     start_alignment: int = DEFAULT_START_ALIGNMENT,
     muon_filter: MuonFilter | None = None,
+    fp8_param_gather: bool = False,
 ) -> tuple[PlanRequest, Routing | None]:
     """The plan :func:`parallelize` asks for, and the routing of a whole-matrix optimizer.
 
     Pure in the model's shapes (a model on the meta device will do): the trainable params,
     the sharding's modes (whole-matrix params layerwise under zero1), the wgrad recipe's and
-    fused modules' requirements and the whole-matrix optimizer's owner cost.
+    fused modules' requirements, the whole-matrix optimizer's owner cost and, with
+    ``fp8_param_gather``, the weights gathered in FP8.
     """
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
@@ -92,6 +115,7 @@ def plan_request(
         start_alignment=start_alignment,
         grad_dtype=grad_dtype,
         owner_cost=spec.cost if spec is not None else numel_cost,
+        gather_dtypes=_fp8_gather_dtypes(model) if fp8_param_gather else {},
     )
     return request, routing
 
@@ -116,6 +140,7 @@ def parallelize(
     param_groups: ParamGroupsArg = None,
     collectives: str = "torch",
     master_weights: bool | None = None,
+    fp8_param_gather: bool = False,
     **optimizer_kwargs,
 ) -> tuple[DataParallel, DataParallelOptimizer]:
     """Wrap ``model`` for data parallelism over ``process_group`` and build its optimizer.
@@ -181,6 +206,9 @@ def parallelize(
     """
     check_parallelize_inputs(model, optimizer)
     check_master_weights(master_weights, sharding)
+    check_fp8_param_gather(
+        fp8_param_gather, wgrad=wgrad, sharding=sharding, master_weights=master_weights
+    )
     check_max_grad_norm(max_grad_norm)
     torch_ddp = take_torch_ddp_kwargs(
         model,
@@ -221,6 +249,7 @@ def parallelize(
         grad_dtype=grad_dtype,
         start_alignment=start_alignment,
         muon_filter=muon_filter,
+        fp8_param_gather=fp8_param_gather,
     )
     config = DDPConfig(
         overlap=overlap,
@@ -234,7 +263,14 @@ def parallelize(
         collectives=collectives,
     )
     groups = resolve_param_groups(model, param_groups)
-    ddp = DataParallel(model, process_group=process_group, config=config, plan=request)
+    codec = None
+    if fp8_param_gather:
+        from aligndp.lowp.fp8_gather import Fp8TensorGatherCodec
+
+        codec = Fp8TensorGatherCodec()
+    ddp = DataParallel(
+        model, process_group=process_group, config=config, plan=request, gather_codec=codec
+    )
     gather = {"max_grad_norm": max_grad_norm, "overlap_param_gather": overlap_param_gather}
     masters = master_weights is not False  # None: zero1's default, fp32 masters
     if spec is None and sharding == "zero1":

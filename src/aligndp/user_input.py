@@ -84,6 +84,38 @@ def check_master_weights(master_weights: object, sharding: object) -> None:
         )
 
 
+def check_fp8_param_gather(
+    fp8_param_gather: object, *, wgrad: object, sharding: object, master_weights: object
+) -> None:
+    """Raise unless ``fp8_param_gather`` is a bool and, when True, the run can gather FP8
+    weights ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py): the ``fp8-tensor``
+    recipe (one scale per tensor serves the forward and the dgrad GEMM), ``sharding="zero1"``
+    (only sharded params are gathered) and fp32 masters (the gather encodes them)."""
+    if not isinstance(fp8_param_gather, bool):
+        raise TypeError(
+            f"fp8_param_gather= takes True or False, got {_describe(fp8_param_gather)} "
+            f"({fp8_param_gather!r})"
+        )
+    if not fp8_param_gather:
+        return
+    if wgrad != "fp8-tensor":
+        raise ValueError(
+            f"fp8_param_gather=True needs wgrad='fp8-tensor' (per-tensor scales: one gathered "
+            f"payload feeds the forward and the dgrad GEMM), got wgrad={wgrad!r}; use "
+            "wgrad='fp8-tensor' or drop fp8_param_gather"
+        )
+    if sharding != "zero1":
+        raise ValueError(
+            f"fp8_param_gather=True gathers sharded params, but sharding={sharding!r} gathers "
+            "none: use sharding='zero1' or drop fp8_param_gather"
+        )
+    if master_weights is False:
+        raise ValueError(
+            "fp8_param_gather=True encodes each gathered weight from its fp32 master on its "
+            "owner, but master_weights=False keeps none: leave master_weights at None or True"
+        )
+
+
 # ---- torch DDP's constructor keywords ----
 
 TORCH_DDP_ACCEPTED = (

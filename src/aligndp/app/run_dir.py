@@ -65,6 +65,7 @@ MAY_CHANGE_ON_RESUME = (
     "out",
     "timeout",
     "compile",
+    "fp8_param_gather",
 )
 """The other TrainConfig fields: how the run is split, checkpointed, reported and timed, not
 what it computes (up to rounding); every field is in exactly one of the two lists."""

@@ -50,6 +50,9 @@ class TrainConfig:
     """Which Linear layers --wgrad converts: pays (those whose GEMMs gain from FP8 on this GPU;
     none on a device without the format's fast path, e.g. a CPU) or all (every layer the
     recipe can run: a correctness path where it is emulated)."""
+    fp8_param_gather: bool = False
+    """With --wgrad fp8-tensor and --sharding zero1: all-gather the converted layers' weights
+    as FP8 bytes plus one scale each (half a bf16 gather), fp32 masters on their owners."""
     lr: float = 3e-3
     """Peak learning rate (linear warm-up, then cosine decay to a tenth of it); with
     --optimizer muon the one lr of Muon and AdamW (Muon's update scaled to AdamW's RMS)."""

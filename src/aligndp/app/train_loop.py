@@ -217,6 +217,7 @@ def _setup(config: TrainConfig) -> _Job:
         sharding=config.sharding,
         lr=config.lr,
         wgrad=config.wgrad,
+        fp8_param_gather=config.fp8_param_gather,
     )
     if config.compile:
         compile_blocks(module)

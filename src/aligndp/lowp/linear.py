@@ -141,7 +141,9 @@ class MXLinear(nn.Linear):
         return list(self.backend.recipe.requirements)
 
     def bind_grad_sink(self, sink: GradSink | None) -> None:
-        self._grad_sink = sink
+        # not through nn.Module.__setattr__: the sink (a DataParallel) is a Module, which would
+        # become a child of this layer, a cycle (state_dict() of the model recursed forever)
+        self.__dict__["_grad_sink"] = sink
         if sink is not None:  # findable in a compiled backward ([Note: compiled MX layers])
             register_layer(self)
 

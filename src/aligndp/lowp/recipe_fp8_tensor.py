@@ -15,11 +15,20 @@ quantised once, and the pass that casts it also writes the transposed layout its
 wants (:mod:`aligndp.lowp.fp8_tensor_kernels` on CUDA). cuBLASLt's FP8 GEMM needs 16-byte
 aligned output pointers and dims that are multiples of 16. The recipe is this module (the
 recipe and its one backend) and its kernel module.
+
+With ``parallelize(fp8_param_gather=True)`` a weight arrives already quantised: the param
+all-gather moved its FP8 bytes and scale ([Note: FP8 param gather] in
+aligndp/runtime/gather_codec.py) and :func:`publish_weight` hands them to the backend, whose
+forward takes them instead of quantising the weight (the same bytes and scale a quantise of
+the fp32 master would give) until the weight is written again (its version counter moves).
+Under ``torch.compile`` the weight is quantised in the graph as before: from the decoded
+value, whose scale can differ from the gathered one in the last bit.
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -30,7 +39,16 @@ from aligndp.lowp.ops import compiling
 from aligndp.lowp.recipe import BackendRef, Recipe
 from aligndp.plan.spec import Requirement
 
-__all__ = ["RECIPE", "TensorScale", "TensorScaledBackend", "quantize_tensor"]
+__all__ = [
+    "RECIPE",
+    "TensorScale",
+    "TensorScaledBackend",
+    "quantize_tensor",
+    "scale_of",
+    "cast_e4m3",
+    "publish_weight",
+    "gathered_weight",
+]
 
 E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -70,12 +88,54 @@ def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
         return Quantized(data, scale, data_t)
     # torch ops: on CPU, and under torch.compile, where Inductor fuses the amax and the cast
     # with their neighbours ([Note: compiled MX layers] in ops.py)
-    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+    scale = scale_of(torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32))
+    data = cast_e4m3(t, scale)
+    return Quantized(data, scale, data.t().contiguous() if transposed else None)
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The float32 scale(s) ``max(amax, floor) / 448`` of float32 ``amax`` (any shape)."""
     # divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
     # multiply by its reciprocal, one bit off the Triton kernel's (and the CPU's) IEEE division
-    scale = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
-    data = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return Quantized(data, scale, data.t().contiguous() if transposed else None)
+    return torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
+
+
+def cast_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t / scale`` rounded to E4M3 (saturating at 448)."""
+    return (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+_GATHERED: dict[int, tuple[weakref.ref, int, Quantized]] = {}
+"""id(weight) -> (the weight, its version when published, its gathered operand)."""
+
+
+def publish_weight(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+    """From now on, until ``weight`` is written, its layers' forward GEMM takes ``data`` (E4M3,
+    the weight's shape) and ``scale`` as the quantised weight ([Note: FP8 param gather])."""
+    if id(weight) not in _GATHERED:  # dropped with the weight (the operand views its buffer)
+        weakref.finalize(weight, _GATHERED.pop, id(weight), None)
+    _GATHERED[id(weight)] = (
+        weakref.ref(weight),
+        weight._version,
+        Quantized(data, scale, data.t().contiguous()),
+    )
+
+
+def gathered_weight(weight: torch.Tensor) -> Quantized | None:
+    """The operand :func:`publish_weight` gave ``weight``, if it still holds (not while
+    compiling: Python state a graph should not guard on)."""
+    entry = _GATHERED.get(id(weight))
+    if entry is None or compiling():
+        return None
+    ref, version, operand = entry
+    if ref() is not weight or weight._version != version:
+        return None
+    return operand
+
+
+def _weight_operand(weight: torch.Tensor) -> Quantized:
+    operand = gathered_weight(weight)
+    return operand if operand is not None else quantize_tensor(weight, transposed=True)
 
 
 class _Saved(NamedTuple):
@@ -109,7 +169,7 @@ class TensorScaledBackend(WgradBackend):
 
     def dgrad(self, grad_out, weight):
         return _mm(
-            quantize_tensor(grad_out), quantize_tensor(weight).t(), grad_out.dtype, fast=False
+            quantize_tensor(grad_out), _weight_operand(weight).t(), grad_out.dtype, fast=False
         )
 
     def wgrad(self, grad_out, x):
@@ -120,7 +180,7 @@ class TensorScaledBackend(WgradBackend):
     def forward_for_backward(self, x, weight, bias=None):
         # each operand once, in both layouts: x for forward and (transposed) wgrad, the weight
         # for forward and (transposed) dgrad
-        xq, wq = quantize_tensor(x, transposed=True), quantize_tensor(weight, transposed=True)
+        xq, wq = quantize_tensor(x, transposed=True), _weight_operand(weight)
         bias = None if bias is None else bias.to(x.dtype)
         return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
 

@@ -201,6 +201,9 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.gather = model.param_gather
         """The model's param gather, which this optimizer calls into after each step."""
         self.gather.set_overlap(overlap_param_gather)
+        if self.gather.coded is not None:  # [Note: FP8 param gather]: from the first forward
+            self.gather.launch_rest()  # on, layers read gathered weights
+            self.gather.wait_all()
         model.reduction_listeners.append(self._on_reduced)
 
     def _on_reduced(self) -> None:

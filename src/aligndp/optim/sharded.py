@@ -21,7 +21,10 @@ param in its own dtype, as ``sharding="none"`` does and as torch DDP + a torch o
 bf16 model do (state in the param dtype), so switching sharding keeps the numerics. One
 predicate, :func:`keeps_fp32_master`, decides it for :class:`ShardedPart` and for
 :class:`~aligndp.optim.whole_matrix.WholeMatrixPart` alike. Checkpoints hold fp32 values
-either way ([Note: model-space state]), so a run resumes under the other setting.
+either way ([Note: model-space state]), so a run resumes under the other setting. A param
+gathered in FP8 ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py) always has a
+separate fp32 master, even an fp32 param (``param_data`` receives the decoded gather): the
+gather encodes from it, and nothing is cast back.
 """
 
 from __future__ import annotations
@@ -92,9 +95,12 @@ class _Master:
     buffer: FlatBuffer
     master: torch.Tensor
     cast_back: bool
-    """True when the master is a separate fp32 copy (16-bit params with master_weights), False
-    when it is the param_data view."""
+    """True when the master is a separate fp32 copy (16-bit params with master_weights, and
+    FP8-gathered params), False when it is the param_data view."""
     group: int
+    coded: bool = False
+    """Gathered in FP8: the gather encodes the master and decodes into ``param_data``, so the
+    step does not cast it back."""
     sharded_grad: ShardedGrad = dataclasses.field(init=False)
     """The master's ``.grad`` between a reduction and the step (made once: it is immutable)."""
 
@@ -102,9 +108,13 @@ class _Master:
         self.sharded_grad = ShardedGrad(self.master)
 
 
-def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    """``master`` (fp32) takes ``param``'s (16-bit) value wherever the two disagree."""
-    master.copy_(torch.where(param == master.to(param.dtype), master, param.float()))
+def refresh_master(
+    master: torch.Tensor, param: torch.Tensor, written: torch.Tensor | None = None
+) -> None:
+    """``master`` (fp32) takes ``param``'s value wherever the param differs from what the step
+    last wrote into it: ``written`` (an FP8 gather's decoded value) or the master's cast."""
+    written = master.to(param.dtype) if written is None else written
+    master.copy_(torch.where(param == written, master, param.float()))
 
 
 class ShardedPart(OptimizerPart):
@@ -169,7 +179,10 @@ class ShardedPart(OptimizerPart):
     def _bind(self, buf: FlatBuffer, group_of: dict[str, int]) -> list[_Master]:
         owned = buf.layout.owned_pieces(self.rank)
         params = {s.index: p for p, s in zip(buf.params, buf.slots)}
-        if not keeps_fp32_master(buf.layout.param_dtype, master_weights=self.master_weights):
+        coded = buf.gather_data is not None  # [Note: FP8 param gather]: masters always
+        if not coded and not keeps_fp32_master(
+            buf.layout.param_dtype, master_weights=self.master_weights
+        ):
             flat, cursor = None, None  # masters are the param_data views themselves
         else:
             flat = torch.empty(sum(s.numel for s in owned), dtype=torch.float32, device=buf.device)
@@ -190,8 +203,11 @@ class ShardedPart(OptimizerPart):
                     master,
                     cast_back=flat is not None,
                     group=group_of[s.name],
+                    coded=coded,
                 )
             )
+            if coded:
+                self.model.param_gather.coded.set_source(params[s.index], master)
         return masters
 
     # ---- the part interface (aligndp/optim/composite.py) ----
@@ -211,7 +227,12 @@ class ShardedPart(OptimizerPart):
                 p.param._version != self._versions[id(p.param)]
                 or p.param in self.model.data_touched
             ):
-                refresh_master(p.master, p.buffer.param_data[p.piece.start : p.piece.end])
+                decoded = self.model.param_gather.coded.decoded(p.param) if p.coded else None
+                refresh_master(
+                    p.master,
+                    p.buffer.param_data[p.piece.start : p.piece.end],
+                    None if decoded is None else decoded[p.piece.lo : p.piece.hi],
+                )
                 self._versions[id(p.param)] = p.param._version
 
     @torch.no_grad()
@@ -251,7 +272,7 @@ class ShardedPart(OptimizerPart):
         (one step over every bucket: the composite gathers them all afterwards)."""
         self.prepare_grads()
         self.inner[0].step()
-        low = [p for p in self.masters if p.cast_back]
+        low = [p for p in self.masters if p.cast_back and not p.coded]
         if low:
             torch._foreach_copy_(
                 [p.buffer.param_data[p.piece.start : p.piece.end] for p in low],

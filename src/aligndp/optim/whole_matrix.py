@@ -156,14 +156,22 @@ class WholeMatrixPart(OptimizerPart):
         self.params = [p for _, p in params]
         self.owners = [owner[id(p)] for p in self.params]
         self.master_weights = master_weights
+        coded = model.param_gather.coded
+        self.coded = {  # [Note: FP8 param gather]: an fp32 master whatever the param's dtype
+            id(p) for p in self.params if coded is not None and coded.handles(p)
+        }
         # a 16-bit param with master_weights is stepped through an fp32 master copy, made only
         # where this rank owns it
         self.targets = [
             p.detach().float().clone()
-            if o == model.rank and keeps_fp32_master(p.dtype, master_weights=master_weights)
+            if o == model.rank
+            and (id(p) in self.coded or keeps_fp32_master(p.dtype, master_weights=master_weights))
             else p
             for p, o in zip(self.params, self.owners)
         ]
+        for p, t in zip(self.params, self.targets):
+            if id(p) in self.coded and t is not p:
+                coded.set_source(p, t.view(-1))
         groups = groups or [ParamGroup(tuple(self.names), {})]
         tensors = dict(zip(self.names, self.targets))
         self.inner = [spec.optimizer_class(torch_groups(groups, tensors), **(options or {}))]
@@ -216,7 +224,12 @@ class WholeMatrixPart(OptimizerPart):
             if i in self._versions and (
                 p._version != self._versions[i] or p in self.model.data_touched
             ):
-                refresh_master(self.targets[i], p.detach())
+                decoded = self.model.param_gather.coded.decoded(p) if id(p) in self.coded else None
+                refresh_master(
+                    self.targets[i],
+                    p.detach(),
+                    None if decoded is None else decoded.view(p.shape),
+                )
                 self._versions[i] = p._version
             self.targets[i].grad = (
                 self.model.reduced_grad(p).to(self.targets[i].dtype)
@@ -243,7 +256,7 @@ class WholeMatrixPart(OptimizerPart):
             self.inner[0].step()
         for i in mine:
             self.targets[i].grad = None
-            if self.targets[i] is not self.params[i]:
+            if self.targets[i] is not self.params[i] and id(self.params[i]) not in self.coded:
                 self.params[i].copy_(self.targets[i])  # fp32 master -> its view in param_data
                 self._versions[i] = self.params[i]._version
 

@@ -92,6 +92,7 @@ def plan_layout(
     shard_alignment: int = DEFAULT_SHARD_ALIGNMENT,
     grad_dtype: torch.dtype | None = None,
     owner_cost: OwnerCost = numel_cost,
+    gather_dtype: torch.dtype | None = None,
 ) -> BufferLayout:
     """Plan one buffer for ``specs`` (registration order, one param dtype).
 
@@ -101,6 +102,8 @@ def plan_layout(
     layerwise mode each bucket is cut into ``dp_size`` equal shards, params packed whole into
     their owner's shard, owners chosen by :func:`aligndp.plan.assign.assign_owners` balancing
     ``owner_cost(shape)`` (recorded in each slot). ``bucket_numel`` None: one bucket.
+    ``gather_dtype``: what the param all-gather moves, if not the params themselves (sharded
+    and layerwise modes); starts then also meet every requirement in its itemsize.
     The result is checked by :func:`validate` before it is returned.
     """
     mode = Mode.parse(mode)
@@ -128,7 +131,14 @@ def plan_layout(
         requirements += (
             Requirement("layerwise mode: whole-tensor optimizer", whole_param_per_shard=True),
         )
+    if gather_dtype is not None and mode is Mode.REPLICATED:
+        raise ValueError(
+            f"gather_dtype {gather_dtype} asks for a low-precision param all-gather, but a "
+            "replicated buffer gathers nothing; plan it in a sharded or layerwise mode"
+        )
     itemsizes = {grad_dtype.itemsize, param_dtype.itemsize}
+    if gather_dtype is not None:
+        itemsizes.add(gather_dtype.itemsize)
     align = math.lcm(
         start_alignment, *(combined_start_alignment(requirements, s) for s in itemsizes)
     )
@@ -199,6 +209,7 @@ def plan_layout(
         params=tuple(slots),
         buckets=tuple(buckets),
         requirements=requirements,
+        gather_dtype=gather_dtype,
     )
     validate(layout, requirements)
     return layout

@@ -78,19 +78,27 @@ class PlanRequest:
     owner_cost: OwnerCost = numel_cost
     """Layerwise mode: ``cost(shape)`` of stepping one whole param (e.g. Muon's Newton–Schulz
     estimate); owners are balanced by it and each slot records its cost."""
+    gather_dtypes: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    """Params whose all-gather moves another dtype than their own (a 1-byte FP8 payload plus
+    scales: ``parallelize(fp8_param_gather=True)``); they get buffers of their own, so every
+    other param gathers as before."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tuple(self.specs))
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "modes", {n: Mode.parse(m) for n, m in self.modes.items()})
         object.__setattr__(self, "requirements", tuple(self.requirements))
+        object.__setattr__(self, "gather_dtypes", dict(self.gather_dtypes))
         if not self.specs:
             raise ValueError(
                 "no trainable params to lay out: the model has no params with requires_grad=True"
             )
-        unknown = set(self.modes) - {s.name for s in self.specs}
-        if unknown:
-            raise ValueError(f"modes name params that are not among the specs: {sorted(unknown)}")
+        for field in ("modes", "gather_dtypes"):
+            unknown = set(getattr(self, field)) - {s.name for s in self.specs}
+            if unknown:
+                raise ValueError(
+                    f"{field} name params that are not among the specs: {sorted(unknown)}"
+                )
         check_settings(
             dp_size=self.dp_size,
             bucket_numel=self.bucket_numel,
@@ -135,7 +143,8 @@ class PlanRequest:
 def plan_buffers(
     request: PlanRequest | Sequence[ParamSpec], **fields: object
 ) -> list[BufferLayout]:
-    """One layout per (mode, param dtype) group, registration order kept within each group.
+    """One layout per (mode, param dtype, gather dtype) group, registration order kept within
+    each group.
 
     The one pure function from a :class:`PlanRequest` to layouts: ``DataParallel`` allocates
     exactly this and ``aligndp layout`` shows it. Given specs instead of a request, ``fields``
@@ -145,9 +154,10 @@ def plan_buffers(
         request = PlanRequest(specs=tuple(request), **fields)
     elif fields:
         request = dataclasses.replace(request, **fields)
-    groups: dict[tuple[Mode, torch.dtype], list[ParamSpec]] = {}
+    groups: dict[tuple[Mode, torch.dtype, torch.dtype | None], list[ParamSpec]] = {}
     for s in request.specs:
-        groups.setdefault((request.mode_of(s.name), s.dtype), []).append(s)
+        key = (request.mode_of(s.name), s.dtype, request.gather_dtypes.get(s.name))
+        groups.setdefault(key, []).append(s)
     return [
         plan_layout(
             group,
@@ -159,6 +169,7 @@ def plan_buffers(
             shard_alignment=request.shard_alignment,
             grad_dtype=request.grad_dtype,
             owner_cost=request.owner_cost,
+            gather_dtype=gather_dtype,
         )
-        for (mode, _), group in groups.items()
+        for (mode, _, gather_dtype), group in groups.items()
     ]

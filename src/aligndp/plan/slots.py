@@ -101,6 +101,17 @@ class BufferLayout:
     """In layout order (reverse registration order, grouped by owner in layerwise mode)."""
     buckets: tuple[BucketSlot, ...]
     requirements: tuple[Requirement, ...] = ()
+    gather_dtype: torch.dtype | None = None
+    """What the param all-gather moves (sharded and layerwise modes): None, the param dtype
+    itself; a 1-byte dtype (``torch.float8_e4m3fn``) for params gathered as a low-precision
+    payload plus scales ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py), in a
+    second buffer of the same geometry."""
+
+    @property
+    def itemsizes(self) -> set[int]:
+        """Bytes per element of every buffer planned by this layout (grads, params, gather)."""
+        sizes = {self.grad_dtype.itemsize, self.param_dtype.itemsize}
+        return sizes | ({self.gather_dtype.itemsize} if self.gather_dtype is not None else set())
 
     @property
     def numel(self) -> int:
@@ -192,6 +203,9 @@ class BufferLayout:
             "mode": self.mode.value,
             "dtype": str(self.grad_dtype).removeprefix("torch."),
             "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "gather_dtype": None
+            if self.gather_dtype is None
+            else str(self.gather_dtype).removeprefix("torch."),
             "dp_size": self.dp_size,
             "start_alignment": self.start_alignment,
             "numel": self.numel,
@@ -215,8 +229,12 @@ class BufferLayout:
 
     def __str__(self) -> str:
         dt = str(self.grad_dtype).removeprefix("torch.")
+        if self.gather_dtype is not None:
+            dt += f" grads, {str(self.gather_dtype).removeprefix('torch.')} gathers"
+        else:
+            dt += " grads"
         lines = [
-            f"{self.mode.value} buffer ({dt} grads, dp_size={self.dp_size}, "
+            f"{self.mode.value} buffer ({dt}, dp_size={self.dp_size}, "
             f"starts % {self.start_alignment} elements): {self.numel:,} real + "
             f"{self.padding_numel:,} padding = {self.padded_numel:,} elements "
             f"({100 * self.padding_fraction:.3f}% padding), {len(self.buckets)} bucket(s)"

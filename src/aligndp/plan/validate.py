@@ -33,7 +33,7 @@ def validate(layout: BufferLayout, requirements: Iterable[Requirement] = ()) -> 
     equal shards; in layerwise mode each param lies whole in its owner's shard.
     """
     requirements = tuple(requirements) + tuple(layout.requirements)
-    itemsizes = {layout.grad_dtype.itemsize, layout.param_dtype.itemsize}
+    itemsizes = layout.itemsizes
     rules = [
         (
             layout.start_alignment,

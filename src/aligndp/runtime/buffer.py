@@ -2,7 +2,9 @@
 
 One :class:`FlatBuffer` per :class:`~aligndp.plan.slots.BufferLayout`: ``grad_data`` always,
 ``param_data`` when an optimizer shards params (then ``param.data`` is rebound to a view of
-it, values preserved). Every param gets ``main_grad``, a view at its layout offset.
+it, values preserved), and ``gather_data`` (bytes, the same geometry) where the layout gathers
+params as a 1-byte payload ([Note: FP8 param gather] in gather_codec.py). Every param gets
+``main_grad``, a view at its layout offset.
 
 [Note: alignment contract] continued: the layout fixes element offsets; this module makes
 the byte addresses follow. Storage comes from an :class:`Allocator` (the allocation hook of
@@ -154,6 +156,11 @@ class FlatBuffer:
                 )
         self.grad_data = self._allocate(layout.grad_dtype)
         self.param_data = self._allocate(layout.param_dtype) if with_param_data else None
+        self.gather_data: torch.Tensor | None = None
+        """uint8 storage of the low-precision all-gather (``layout.gather_dtype`` set)."""
+        if with_param_data and layout.gather_dtype is not None:
+            assert layout.gather_dtype.itemsize == 1, "a gather payload is one byte per element"
+            self.gather_data = self._allocate(torch.uint8)
         self.main_grads: list[torch.Tensor] = []
         for p, s in zip(params, slots):
             view = self.grad_data[s.start : s.end].view(s.shape)
@@ -169,6 +176,13 @@ class FlatBuffer:
                 )
                 pview.copy_(p.data)
                 p.data = pview
+            if self.gather_data is not None:
+                check_pointer_alignment(
+                    self.gather_data[s.start : s.end],
+                    slot=s,
+                    align_bytes=self._align_bytes(torch.uint8),
+                    what="gather",
+                )
 
     def _align_bytes(self, dtype: torch.dtype) -> int:
         return self.layout.start_alignment * dtype.itemsize
@@ -197,6 +211,11 @@ class FlatBuffer:
         assert self.param_data is not None, "this buffer holds no param_data"
         b = self.layout.buckets[bucket]
         return self.param_data[b.start : b.end]
+
+    def bucket_gather(self, bucket: int) -> torch.Tensor:
+        assert self.gather_data is not None, "this buffer has no low-precision gather"
+        b = self.layout.buckets[bucket]
+        return self.gather_data[b.start : b.end]
 
     def zero_grad(self) -> None:
         self.grad_data.zero_()

@@ -76,6 +76,7 @@ from aligndp.runtime.collective_backends import (
     check_collectives_name,
     make_collectives,
 )
+from aligndp.runtime.gather_codec import GatherCodec, check_codec
 from aligndp.runtime.grad_sync import GradSync
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex, StepState, param_index
@@ -136,7 +137,9 @@ class DataParallel(GradSync, nn.Module):
     replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
     ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)
-    replaces ``modes`` and the config's planning fields.
+    replaces ``modes`` and the config's planning fields. ``gather_codec`` encodes the params
+    the plan gathers in a low-precision ``gather_dtype`` ([Note: FP8 param gather] in
+    gather_codec.py).
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class DataParallel(GradSync, nn.Module):
         modes: Mapping[str, Mode] | None = None,
         requirements: Iterable[Requirement] = (),
         plan: PlanRequest | None = None,
+        gather_codec: GatherCodec | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -210,6 +214,7 @@ class DataParallel(GradSync, nn.Module):
         layouts = plan_buffers(
             plan.bind(specs, dp_size=self.dp_size, requirements=self.requirements)
         )
+        check_codec(layouts, gather_codec)
         if self.dp_size > 1:
             # [Note: ranks agree] in agreement.py, before any shape-dependent collective
             check_ranks_agree(module.named_parameters(), layouts, group=process_group)
@@ -239,7 +244,9 @@ class DataParallel(GradSync, nn.Module):
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see
         wrapped_param.WrappedParameter)."""
-        self.param_gather = ParamGather(self.index, module=module, collectives=self.collectives)
+        self.param_gather = ParamGather(
+            self.index, module=module, collectives=self.collectives, codec=gather_codec
+        )
         """The all-gather of sharded params after each step; the optimizer calls into it."""
         self._joined: _Join | None = None
         self._replaced = False

@@ -14,7 +14,9 @@ While a bucket's gather is in flight its params are *pending*
 ([Note: reads wait for the gather] in wrapped_param.py): any read of one outside its module's
 forward (an EMA, a weight norm, an evaluation through another module) waits for that bucket
 first. The next ``step()``, checkpoints and ``model.wait_for_params()`` call
-:meth:`ParamGather.wait_all`.
+:meth:`ParamGather.wait_all`. Buckets of buffers planned with a ``gather_dtype`` go through
+a :class:`~aligndp.runtime.gather_codec.CodedGather` ([Note: FP8 param gather]): encoded
+before their gather, decoded into ``param_data`` when it is waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 import torch.nn as nn
 
 from aligndp.runtime.collectives import Collectives, Work
+from aligndp.runtime.gather_codec import CodedGather, GatherCodec
 from aligndp.runtime.step_state import BucketRef, ParamIndex
 from aligndp.runtime.wrapped_param import mark_pending, settle
 
@@ -47,10 +50,16 @@ class ParamGather:
         *,
         module: nn.Module,
         collectives: Collectives,
+        codec: GatherCodec | None = None,
     ) -> None:
         """``index`` and ``collectives``: the model's; ``module``: the wrapped module (its
-        forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
+        forward pre-hooks wait per module once :meth:`set_overlap` is on); ``codec``: how the
+        buffers planned with a ``gather_dtype`` are encoded ([Note: FP8 param gather])."""
         self.index = index
+        self.coded = (
+            CodedGather(index, codec=codec, collectives=collectives) if codec is not None else None
+        )
+        """The low-precision gathers (None: every bucket gathers its params as they are)."""
         self.module = module
         self.collectives = collectives
         self.dp_size = collectives.dp_size
@@ -125,9 +134,14 @@ class ParamGather:
     def launch_bucket(self, key: BucketRef) -> None:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
-        if self.dp_size > 1:
+        work: Work | None = None
+        if self.coded is not None and key in self.coded.buckets:
+            work = self.coded.launch(key)  # None at dp_size 1: decoded already
+        elif self.dp_size > 1:
             bucket = self.index.buffer(key).bucket_param(key.bucket)
-            self._pending[key] = self.collectives.all_gather_shards(bucket)
+            work = self.collectives.all_gather_shards(bucket)
+        if work is not None:
+            self._pending[key] = work
             if self.overlap:  # [Note: reads wait for the gather] in wrapped_param.py
                 mark_pending(self._members.get(key, ()), self)
 
@@ -137,6 +151,8 @@ class ParamGather:
             work = self._pending.pop(key, None)
             if work is not None:
                 work.wait()
+                if self.coded is not None and key in self.coded.buckets:
+                    self.coded.finish(key)
                 if self.overlap:
                     settle(self._members.get(key, ()))
 

@@ -1,0 +1,187 @@
+"""Low-precision param all-gathers: the codec a recipe implements, and the per-bucket
+encode -> gather -> decode that :class:`~aligndp.runtime.param_gather.ParamGather` runs for
+buffers planned with a ``gather_dtype``.
+
+[Note: FP8 param gather]
+``parallelize(fp8_param_gather=True)`` (Megatron's ``--fp8-param-gather``) gathers the weights
+of layers converted to the ``fp8-tensor`` recipe as FP8 bytes plus one float32 scale per
+weight, half the bytes of a bf16 gather and a quarter of fp32's. Per-tensor scales make this
+exact: the bytes the forward GEMM reads are the bytes the gather moved, and their transpose
+serves the dgrad GEMM. Those weights are planned in buffers of their own
+(``PlanRequest.gather_dtypes``; the same planner, so [Note: alignment contract] and
+``validate()`` hold, in 1-byte items too), with a second, 1-byte buffer ``gather_data`` of the
+same geometry; every other param gathers as before. Per bucket, after the optimizer step:
+
+1. each rank takes the amax of its owned piece of every weight of the bucket (0 where it owns
+   none), read from the piece's *source*: the fp32 master its optimizer part keeps for it
+   (:meth:`CodedGather.set_source`; every such weight has one, even an fp32 param, since
+   ``param_data`` is about to hold the decoded value);
+2. one small all-gather of those amaxes (``dp_size x weights`` float32) and a max over ranks
+   give every rank every weight's amax over the whole tensor: a ZeRO-1 piece is quantised
+   with the scale of its whole param, and a layer-wise owner's scale reaches every rank;
+3. the codec quantises each owned piece with its weight's scale into ``gather_data``, and the
+   all-gather moves ``gather_data``'s bucket (uint8: gloo has no float8);
+4. once waited for, every rank decodes each weight into ``param_data`` (so every read of the
+   param — ``state_dict()``, an EMA, evaluation — sees the same value on every rank: the value
+   the GEMM used) and the codec *publishes* the FP8 bytes and scale to the weight's layer,
+   which takes them as its forward operand instead of quantising the weight again.
+
+The runtime knows no recipe: :class:`GatherCodec` is implemented in ``lowp/``
+(aligndp/lowp/fp8_gather.py) and handed over by ``parallelize`` (the api layer). Masters stay
+fp32 on their owner and checkpoints save them ([Note: master weights] in optim/sharded.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from aligndp.plan.slots import BufferLayout
+from aligndp.runtime.collectives import Collectives, Work
+from aligndp.runtime.step_state import BucketRef, ParamIndex
+
+__all__ = ["GatherCodec", "CodedGather", "check_codec"]
+
+
+class GatherCodec(Protocol):
+    """How a low-precision param all-gather encodes an owner's piece and decodes the result
+    ([Note: FP8 param gather]); one scale per param, taken from its amax over the whole param."""
+
+    name: str
+    """Named in errors and reports, e.g. ``"fp8-tensor"``."""
+    dtype: torch.dtype
+    """The 1-byte element type the gather moves, e.g. ``torch.float8_e4m3fn``."""
+
+    def scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """float32 scales, one per param, from float32 amaxes over whole params."""
+        ...
+
+    def encode(self, values: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
+        """Quantise the 1-D ``values`` with the 0-d ``scale`` into ``out`` (same length,
+        :attr:`dtype`)."""
+        ...
+
+    def decode(self, data: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
+        """``out`` (1-D, the param dtype) = ``data`` (1-D, :attr:`dtype`) dequantised."""
+        ...
+
+    def publish(self, param: nn.Parameter, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hand ``param``'s layer its gathered operand: ``data`` (the param's shape,
+        :attr:`dtype`) and ``scale``, valid until the param is written again."""
+        ...
+
+
+def check_codec(layouts: list[BufferLayout], codec: GatherCodec | None) -> None:
+    """A plan that gathers some params in a low-precision dtype needs a codec of that dtype."""
+    wanted = {lo.gather_dtype for lo in layouts if lo.gather_dtype is not None}
+    if wanted and (codec is None or wanted != {codec.dtype}):
+        raise ValueError(
+            f"the plan gathers params as {sorted(map(str, wanted))} but the gather codec is "
+            f"{'missing' if codec is None else f'{codec.name} ({codec.dtype})'}: build the "
+            "model with aligndp.parallelize(fp8_param_gather=True), which brings both"
+        )
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: tuple[nn.Parameter, ...]
+    amax: torch.Tensor
+    """``(dp_size * len(params),)`` float32: rank r's amaxes in shard r."""
+    scales: torch.Tensor | None = None
+    """The scales of the last gather (None before the first)."""
+
+
+class CodedGather:
+    """Steps 1-4 of [Note: FP8 param gather] for every bucket of ``index`` whose buffer has a
+    ``gather_data``, through ``codec``."""
+
+    def __init__(self, index: ParamIndex, *, codec: GatherCodec, collectives: Collectives):
+        self.index, self.codec, self.collectives = index, codec, collectives
+        self.rank, self.dp_size = collectives.rank, collectives.dp_size
+        self.buckets: dict[BucketRef, _Bucket] = {}
+        for ref in index.refs:
+            buf = index.buffer(ref)
+            if buf.gather_data is None:
+                continue
+            params = index.members[ref]
+            amax = collectives.allocate(
+                self.dp_size * len(params),
+                dtype=torch.float32,
+                device=buf.device,
+                align_bytes=16,
+            ).zero_()
+            self.buckets[ref] = _Bucket(params, amax)
+        self._sources: dict[int, torch.Tensor] = {}
+        """id(param) -> the full-precision values of this rank's piece (the part's master)."""
+        self._slot = {id(p): slot for p, slot in index.slots.items()}
+        """id(param) -> its GradSlot (a pending param's hash would wait for its gather: ids
+        do not, [Note: reads wait for the gather])."""
+
+    def handles(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is gathered through the codec."""
+        slot = self._slot.get(id(param))
+        return slot is not None and slot.ref in self.buckets
+
+    def set_source(self, param: nn.Parameter, values: torch.Tensor) -> None:
+        """Encode ``param``'s owned piece from ``values`` (1-D, its master) from now on."""
+        owned = self._slot[id(param)].owned
+        assert owned is not None and values.numel() == owned.numel, "a source is the owned piece"
+        self._sources[id(param)] = values
+
+    def _piece(self, param: nn.Parameter) -> torch.Tensor:
+        source = self._sources.get(id(param))
+        if source is not None:
+            return source
+        slot = self._slot[id(param)]
+        return self.index.buffer(slot.ref).param_data[slot.owned.start : slot.owned.end]
+
+    def launch(self, ref: BucketRef) -> Work | None:
+        """Encode this rank's pieces of bucket ``ref`` and start its all-gather; the Work to
+        wait for (then :meth:`finish`), or None when done already (``dp_size == 1``)."""
+        bucket, buf = self.buckets[ref], self.index.buffer(ref)
+        local = bucket.amax.view(self.dp_size, -1)[self.rank]
+        pieces = [self._piece(p) for p in bucket.params]
+        local.zero_()
+        mine = [i for i, piece in enumerate(pieces) if piece.numel()]
+        if mine:
+            norms = torch._foreach_norm([pieces[i] for i in mine], float("inf"))
+            local[mine] = torch.stack(norms).float()
+        if self.dp_size > 1:  # every weight's amax over every rank's piece
+            self.collectives.all_gather_shards(bucket.amax).wait()
+        bucket.scales = self.codec.scales(bucket.amax.view(self.dp_size, -1).amax(0))
+        for i in mine:
+            owned = self._slot[id(bucket.params[i])].owned
+            out = buf.gather_data[owned.start : owned.end].view(self.codec.dtype)
+            self.codec.encode(pieces[i], bucket.scales[i], out=out)
+        if self.dp_size > 1:
+            return self.collectives.all_gather_shards(buf.bucket_gather(ref.bucket))
+        self.finish(ref)
+        return None
+
+    def finish(self, ref: BucketRef) -> None:
+        """After the gather: decode every param of ``ref`` into ``param_data`` and publish its
+        gathered bytes and scale to its layer."""
+        bucket, buf = self.buckets[ref], self.index.buffer(ref)
+        for param, scale in zip(bucket.params, bucket.scales):
+            slot = self._slot[id(param)].slot
+            data = buf.gather_data[slot.start : slot.end].view(self.codec.dtype)
+            self.codec.decode(data, scale, out=buf.param_data[slot.start : slot.end])
+            self.codec.publish(param, data.view(slot.shape), scale)
+
+    def decoded(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The flat value the last gather wrote into ``param`` (None: not coded, or no gather
+        yet); what an optimizer compares the param with to see whether the user wrote it."""
+        slot = self._slot.get(id(param))
+        bucket = self.buckets.get(slot.ref) if slot is not None else None
+        if bucket is None or bucket.scales is None:
+            return None
+        i = next(k for k, p in enumerate(bucket.params) if p is param)
+        buf = self.index.buffer(slot.ref)
+        s = slot.slot
+        out = torch.empty(s.numel, dtype=buf.layout.param_dtype, device=buf.device)
+        data = buf.gather_data[s.start : s.end].view(self.codec.dtype)
+        self.codec.decode(data, bucket.scales[i], out=out)
+        return out
