@@ -98,9 +98,8 @@ class Reduction:
         self.epoch += 1
         self.state = StepState.REDUCED
         armed = self._armed
-        for p in used:
-            k = self._k[p]
-            slot = self._slots[k]
+        for k in range(len(self.params)) if used is self.params else map(self._k.get, used):
+            p, slot = self.params[k], self._slots[k]
             if slot.sharded_grad is not None:
                 p.grad = slot.sharded_grad
                 armed[k] = False
