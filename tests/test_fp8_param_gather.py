@@ -278,6 +278,45 @@ def case_checkpoint_loads_at_another_dp_size(rank, ws):
             assert torch.equal(p.detach().flatten(), saved[n]), f"plain DCP read of {n}"
 
 
+def train_losses(fp8_param_gather: bool, device: str) -> tuple[list[torch.Tensor], nn.Module]:
+    torch.manual_seed(0)
+    net = convert_to_mxfp8(Net().to(device), backend="fp8-tensor", layers="all")
+    model, opt = aligndp.parallelize(
+        net, sharding="zero1", wgrad="fp8-tensor", fp8_param_gather=fp8_param_gather, lr=LR
+    )
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in batch(0, step))
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, model.module
+
+
+if torch.cuda.is_available():
+
+    @case(1)
+    def case_cuda_step_equals_the_full_precision_gather(rank, ws):
+        """On the GPU (Triton quantise, cuBLASLt GEMMs on the gathered operand): fp32 params,
+        so the operand equals what the layer's own quantise of the master gives, and losses
+        and params agree with the run without the flag to the bit."""
+        check_one_rank_equals_the_full_precision_gather("cuda")
+
+
+def check_one_rank_equals_the_full_precision_gather(device: str) -> None:
+    fp8_losses, fp8_net = train_losses(True, device)
+    plain_losses, plain_net = train_losses(False, device)
+    assert torch.equal(torch.stack(fp8_losses), torch.stack(plain_losses))
+    for (n, a), b in zip(fp8_net.named_parameters(), plain_net.parameters()):
+        if n in CONVERTED:  # the decoded value of the layer's own quantise of the master
+            q = recipe_fp8_tensor.quantize_tensor(b.detach())
+            assert torch.equal(a.detach(), q.data.float() * q.scale), n
+        else:
+            assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

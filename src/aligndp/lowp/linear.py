@@ -141,8 +141,8 @@ class MXLinear(nn.Linear):
         return list(self.backend.recipe.requirements)
 
     def bind_grad_sink(self, sink: GradSink | None) -> None:
-        # not through nn.Module.__setattr__: the sink (a DataParallel) is a Module, which would
-        # become a child of this layer, a cycle (state_dict() of the model recursed forever)
+        # not through nn.Module.__setattr__: a sink that is a Module (the DataParallel was one)
+        # would become a child of this layer, a cycle (state_dict() of the model recursed)
         self.__dict__["_grad_sink"] = sink
         if sink is not None:  # findable in a compiled backward ([Note: compiled MX layers])
             register_layer(self)
