@@ -43,6 +43,7 @@ def test_flags_are_pinned():
         "--mode",
         "--optimizer",
         "--wgrad",
+        "--fp8-param-gather",
         "--capability",
         "--bucket-numel",
         "--dtype",
@@ -207,6 +208,10 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
             ["--shapes", "64x64", "--optimizer", "muon", "--mode", "sharded"],
             r"whole matrices.*--mode layerwise",
         ),
+        (
+            ["--preset", "1b", "--wgrad", "fp8-tensor", "--fp8-param-gather"],
+            r"fp8_param_gather=True gathers sharded params.*sharding='zero1'",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):
@@ -352,3 +357,48 @@ def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
             capsys, "--preset", "1b", "--wgrad", "fp8-tensor", "--capability", "cpu"
         )
     assert "converts 0 of 65 Linear layers (none)" in out
+
+
+def test_fp8_param_gather_plans_the_converted_weights_apart(capsys):
+    """--fp8-param-gather: the weights of the layers fp8-tensor converts on Hopper (1b: the
+    64 block Linears) get buffers of their own, gathered as FP8; the rest plan as without it
+    ([Note: FP8 param gather])."""
+    code, out, _ = layout_main(
+        capsys,
+        "--preset",
+        "1b",
+        "--dp",
+        "2",
+        "--mode",
+        "sharded",
+        "--wgrad",
+        "fp8-tensor",
+        "--fp8-param-gather",
+        "--json",
+    )
+    assert code == 0
+    buffers = json.loads(out)["buffers"]
+    fp8 = [p["name"] for b in buffers if b["gather_dtype"] == "float8_e4m3fn" for p in b["params"]]
+    assert len(fp8) == 64
+    assert {n.split(".", 2)[2] for n in fp8} == {
+        "qkv.weight",
+        "proj.weight",
+        "fc.weight",
+        "out.weight",
+    }
+    _, plain, _ = layout_main(
+        capsys,
+        "--preset",
+        "1b",
+        "--dp",
+        "2",
+        "--mode",
+        "sharded",
+        "--wgrad",
+        "fp8-tensor",
+        "--json",
+    )
+    rest = [p["name"] for b in buffers if b["gather_dtype"] is None for p in b["params"]]
+    assert sorted(rest + fp8) == sorted(
+        p["name"] for b in json.loads(plain)["buffers"] for p in b["params"]
+    )

@@ -17,6 +17,7 @@ buffer, owners balanced by its cost, and everything else in a ZeRO-1 sharded buf
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -37,6 +38,7 @@ from aligndp.plan.spec import (
     check_bucket_numel,
     max_over_mean,
 )
+from aligndp.user_input import check_fp8_param_gather
 
 __all__ = [
     "add_arguments",
@@ -82,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=recipe_names(),
         default="none",
         help="fused wgrad recipe whose alignment requirement the layout must meet (default none)",
+    )
+    parser.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="with --wgrad fp8-tensor and a sharded mode: the converted layers' weights in "
+        "buffers of their own, all-gathered as FP8 (parallelize(fp8_param_gather=True))",
     )
     parser.add_argument(
         "--capability",
@@ -140,6 +148,9 @@ class LayoutOptions:
     """Requested param start alignment (elements); the planner raises it to every requirement's."""
     capability: tuple[int, int] | None = (9, 0)
     """GPU compute capability the wgrad recipe's layer rule is judged for (None: a CPU)."""
+    fp8_param_gather: bool = False
+    """The layers the recipe converts on that GPU gather their weights as FP8, in buffers of
+    their own ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py)."""
 
     def __post_init__(self) -> None:
         whole = whole_matrix_spec(self.optimizer) is not None
@@ -151,11 +162,17 @@ class LayoutOptions:
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
         check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
+        check_fp8_param_gather(
+            self.fp8_param_gather,
+            wgrad=self.wgrad,
+            sharding="none" if self.mode is Mode.REPLICATED else "zero1",
+            master_weights=None,
+        )
 
     def request(self) -> PlanRequest:
         """The request ``parallelize`` builds for these settings (one function makes both)."""
         request, _ = plan_request(
-            self.model,
+            self.converted() if self.fp8_param_gather else self.model,
             optimizer=self.optimizer,
             sharding="none" if self.mode is Mode.REPLICATED else "zero1",
             dp_size=self.dp_size,
@@ -163,10 +180,25 @@ class LayoutOptions:
             wgrad=self.wgrad,
             grad_dtype=self.grad_dtype,
             start_alignment=self.start_alignment,
+            fp8_param_gather=self.fp8_param_gather,
         )
         if self.mode is Mode.LAYERWISE and whole_matrix_spec(self.optimizer) is None:
             request = dataclasses.replace(request, mode=Mode.LAYERWISE, modes={})
         return request
+
+    def converted(self) -> nn.Module:
+        """A copy of the model (meta device) with the layers ``aligndp train --wgrad`` converts
+        on this GPU converted, as a run's model is before ``parallelize``."""
+        from aligndp.lowp.linear import conversion_plan, convert_to_mxfp8
+
+        chosen = {
+            n
+            for n, why in conversion_plan(self.model, self.wgrad, capability=self.capability)
+            if not why
+        }
+        return convert_to_mxfp8(
+            copy.deepcopy(self.model), backend=self.wgrad, filter=lambda n, m: n in chosen
+        )
 
     def plan(self) -> list[BufferLayout]:
         return plan_buffers(self.request())
@@ -253,6 +285,7 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
         grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None,
         start_alignment=args.start_alignment,
         capability=_capability(args.capability),
+        fp8_param_gather=args.fp8_param_gather,
     )
 
 
