@@ -29,10 +29,10 @@ class Fp8TensorGatherCodec:
         return scale_of(amax)
 
     def encode(self, values: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
-        out.copy_(cast_e4m3(values, scale))
+        cast_e4m3(values, scale, out=out)
 
     def decode(self, data: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
-        out.copy_(data.float() * scale)
+        torch.mul(data.float(), scale, out=out)  # float32 product, rounded once to out's dtype
 
     def publish(self, param: nn.Parameter, data: torch.Tensor, scale: torch.Tensor) -> None:
         publish_weight(param, data, scale)

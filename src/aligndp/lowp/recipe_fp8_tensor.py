@@ -100,9 +100,13 @@ def scale_of(amax: torch.Tensor) -> torch.Tensor:
     return torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
 
 
-def cast_e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``t / scale`` rounded to E4M3 (saturating at 448)."""
-    return (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+def cast_e4m3(
+    t: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``t / scale`` rounded to E4M3 (saturating at 448), into ``out`` when given (the same
+    cast kernel ``.to`` runs, one pass and one allocation fewer)."""
+    scaled = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX)
+    return scaled.to(torch.float8_e4m3fn) if out is None else out.copy_(scaled)
 
 
 _GATHERED: dict[int, tuple[weakref.ref, int, Quantized]] = {}
