@@ -194,7 +194,10 @@ def case_muon_equals_one_process(rank, ws):
 
 @case(2)
 def case_overlapped_gather_equals_one_process(rank, ws):
+    """Gathers left in flight after the step (decoded when a forward pre-hook or a read waits);
+    layer-wise Muon with a bucket per matrix, each gather started as soon as it is stepped."""
     check_equals_one_process(rank, ws, "adamw", bucket_numel=6000, overlap_param_gather=True)
+    check_equals_one_process(rank, ws, "muon", bucket_numel=6000, overlap_param_gather=True)
 
 
 def gather_bytes(model, opt, x, y) -> dict[torch.dtype, int]:
