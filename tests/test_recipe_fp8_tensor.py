@@ -9,6 +9,8 @@ gradient is one process running each rank's micro-batch through the same layer a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -188,6 +190,55 @@ def case_fused_replicated(rank, ws):
 @case(2)
 def case_fused_zero1(rank, ws):
     check_fused_grads_match_per_rank_reference("zero1", rank, ws)
+
+
+def check_cached_weights_equal_uncached(sharding: str, rank: int, overlap: bool) -> None:
+    """[Note: weights once per step] under DataParallel: 2 steps of 2 micro-batches (the first
+    under ``no_sync``) give the outputs and params of the same run with ``cache_weight=False``,
+    bit for bit. The updated weights reach the layers through the all-gather (ZeRO-1), which
+    bumps no version counter; a ``param.data =`` write between micro-batches goes through the
+    wrapped param's copy."""
+    runs = []
+    for cache in (True, False):
+        net = make_net()
+        for m in net.modules():
+            if isinstance(m, MXLinear):
+                m.cache_weight = cache
+        model, opt = aligndp.parallelize(
+            net, sharding=sharding, wgrad="fp8-tensor", lr=0.05, overlap_param_gather=overlap
+        )
+        outputs = []
+        for step in range(2):
+            for micro in range(2):
+                x, y = batch(rank, 10 * step + micro)
+                if step == 1 and micro == 1:
+                    first = next(m for m in net.modules() if isinstance(m, MXLinear))
+                    first.weight.data = first.weight.detach() * 0.5
+                sync = model.no_sync() if micro == 0 else contextlib.nullcontext()
+                with sync:
+                    out = model(x)
+                    F.cross_entropy(out, y).backward()
+                outputs.append(out.detach())
+            opt.step()
+            opt.zero_grad()
+        model.wait_for_params()
+        runs.append((outputs, [p.detach().clone() for p in net.parameters()]))
+    (out_c, params_c), (out_p, params_p) = runs
+    for i, (a, b) in enumerate(zip(out_c, out_p)):
+        assert torch.equal(a, b), f"{sharding}: forward {i} differs with the weight cache"
+    for i, (a, b) in enumerate(zip(params_c, params_p)):
+        assert torch.equal(a, b), f"{sharding}: param {i} differs with the weight cache"
+
+
+@case(2)
+def case_cached_weights_zero1(rank, ws):
+    check_cached_weights_equal_uncached("zero1", rank, overlap=False)
+    check_cached_weights_equal_uncached("zero1", rank, overlap=True)
+
+
+@case(2)
+def case_cached_weights_replicated(rank, ws):
+    check_cached_weights_equal_uncached("none", rank, overlap=False)
 
 
 make_tests(globals())

@@ -117,14 +117,19 @@ class TensorScaledBackend(WgradBackend):
         xq = quantize_tensor(x, transposed=True).t()
         return _mm(g, xq, torch.float32, fast=False)
 
-    def forward_for_backward(self, x, weight, bias=None):
+    def quantize_weight(self, weight):
+        """Both layouts: row-major for forward, transposed for dgrad."""
+        return quantize_tensor(weight, transposed=True)
+
+    def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         # each operand once, in both layouts: x for forward and (transposed) wgrad, the weight
-        # for forward and (transposed) dgrad
-        xq, wq = quantize_tensor(x, transposed=True), quantize_tensor(weight, transposed=True)
+        # for forward and (transposed) dgrad (or the layer's cached weight, quantised once)
+        xq = quantize_tensor(x, transposed=True)
+        wq = weight_q if weight_q is not None else self.quantize_weight(weight)
         bias = None if bias is None else bias.to(x.dtype)
         return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
 
-    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
         if not (need_dgrad or need_wgrad):
             return None, None
         g = quantize_tensor(grad_out, transposed=need_wgrad)

@@ -123,15 +123,19 @@ class TritonBackend(WgradBackend):
                 accumulate=target.accumulate,
             )
 
-    def forward_for_backward(self, x, weight, bias=None):
+    def quantize_weight(self, weight):
+        """Its rows (forward) and columns (dgrad), in one pass."""
+        return self._quantize(weight)
+
+    def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         x_row, x_col = self._quantize(x)
-        w_row, w_col = self._quantize(weight)
+        w_row, w_col = weight_q if weight_q is not None else self._quantize(weight)
         y = self._gemm(
             x_row, w_row, x.shape[0], weight.shape[0], x.dtype, bias=bias
         )  # bias in the epilogue
         return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
 
-    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
         x_col, w_col, tokens, n_in, n_out = saved
         if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
             return None, None

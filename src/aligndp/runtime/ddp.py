@@ -302,6 +302,12 @@ class DataParallel(GradSync, nn.Module):
         view, a ``data_ptr()``) or to end the step's communication. A no-op otherwise."""
         self.param_gather.wait_all()
 
+    def param_writes(self) -> int:
+        """The GradSink's count of param writes torch's version counters miss (the param
+        gathers): quantised-weight caches key on it ([Note: weights once per step] in
+        aligndp/lowp/linear.py)."""
+        return self.param_gather.writes
+
     # [Note: compiled forward]: torch.compile runs this frame eagerly (the bookkeeping: step
     # states, arming, gathers) and compiles the module's own forward inside it
     @torch.compiler.disable(recursive=False)

@@ -57,6 +57,10 @@ class ParamGather:
         self.overlap = False
         self._pending: dict[BucketRef, Work] = {}
         self._launched: set[BucketRef] = set()
+        self.writes = 0
+        """Bucket gathers launched so far (at dp_size 1 too, where the step's cast-back alone
+        wrote ``param_data``): the params' values changed without their version counters
+        (:meth:`~aligndp.runtime.ddp.DataParallel.param_writes`)."""
         self._members: dict[BucketRef, tuple[nn.Parameter, ...]] = {
             ref: index.members[ref]
             for ref in index.refs
@@ -125,6 +129,7 @@ class ParamGather:
     def launch_bucket(self, key: BucketRef) -> None:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
+        self.writes += 1
         if self.dp_size > 1:
             bucket = self.index.buffer(key).bucket_param(key.bucket)
             self._pending[key] = self.collectives.all_gather_shards(bucket)

@@ -140,6 +140,9 @@ class WrappedParameter(nn.Parameter):
                 "before aligndp.parallelize, or copy values in with p.copy_()"
             )
         current.copy_(value)
+        # a write into the param's values: bumped as an in-place op on the param would be
+        # (caches of its quantised value key on the version)
+        torch.autograd.graph.increment_version(self)
         self.data  # noqa: B018 -- marks the write for the owner
 
 
