@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import aligndp
 from aligndp.app.layout_cli import add_arguments
@@ -106,6 +108,80 @@ def test_cuda_quantises_in_a_row_each_take_their_own_amax():
         assert torch.equal(gpu.scale.cpu(), cpu.scale), shape
         assert torch.equal(gpu.data_t.cpu().view(torch.uint8), cpu.data_t.view(torch.uint8))
         assert gpu.data.data_ptr() % 256 == gpu.data_t.data_ptr() % 256 == 0
+
+
+class CountOps(TorchDispatchMode):
+    """Counts aten ops, and the ones whose result lives in a storage no input had (an
+    allocation; views and in-place ops return an input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.allocations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            a.untyped_storage().data_ptr()
+            for a in pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
+        self.ops.append(str(func))
+        self.allocations += sum(
+            o.untyped_storage().data_ptr() not in seen
+            for o in pytree.tree_leaves(out)
+            if isinstance(o, torch.Tensor)
+        )
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cpu_quantise_ops_and_allocations_per_call(dtype, transposed):
+    """[Note: quantise cost]: a quantise after the first on its device issues 6 aten ops (two
+    more for the transpose, one more for a 16-bit input's float32 copy) and allocates its
+    results (data, scale, the transpose) and one float32 intermediate; the result still
+    equals the hand-worked quantise bit for bit."""
+    from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
+
+    x = torch.randn(40, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
+    quantize_tensor(x)  # the first call on a device makes the E4M3_MAX divisor
+    with CountOps() as count:
+        q = quantize_tensor(x, transposed=transposed)
+    assert len(count.ops) == 6 + 2 * transposed + (dtype != torch.float32), count.ops
+    assert count.allocations == 3 + transposed, count.ops
+    assert sum(op.startswith("aten.empty") or "new_" in op for op in count.ops) == 0
+    assert torch.equal(q.data.float() * q.scale, by_hand(x))
+    if transposed:
+        assert torch.equal(q.data_t, q.data.t())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton quantise runs on CUDA")
+def test_cuda_quantise_launches_twice_and_reuses_its_workspace():
+    """[Note: quantise cost] on CUDA: two kernels per quantise (amax, cast); with a workspace
+    (``grad_out`` in backward) a repeated size allocates nothing and returns the same
+    storage; without one, one allocation per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
+
+    x = torch.randn(1000, 48, device="cuda")
+    workspace: dict = {}
+    first = quantize_tensor(x, transposed=True, workspace=workspace)
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        again = quantize_tensor(x * 2, transposed=True, workspace=workspace)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("amax_kernel" in k or "cast_kernel" in k for k in kernels) == 2, kernels
+    # x * 2 allocates once; the quantise into the workspace does not
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - stats == 1
+    assert again.data.data_ptr() == first.data.data_ptr()
+    assert torch.equal(again.scale.cpu(), quantize_tensor(x.cpu() * 2).scale)
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    quantize_tensor(x, transposed=True)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - stats == 1
 
 
 def test_all_zero_tensor_quantises_to_zeros():

@@ -59,22 +59,56 @@ class Quantized(NamedTuple):
         return Quantized(data_t, self.scale, self.data)
 
 
-def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
+_E4M3_MAX_ON: dict[torch.device, torch.Tensor] = {}
+"""A 0-d float32 ``E4M3_MAX`` per device, made once (eager only: a compiled graph makes its
+own constant)."""
+
+
+def _e4m3_max(like: torch.Tensor) -> torch.Tensor:
+    if compiling():
+        return like.new_full((), E4M3_MAX)
+    const = _E4M3_MAX_ON.get(like.device)
+    if const is None:
+        const = _E4M3_MAX_ON[like.device] = like.new_full((), E4M3_MAX)
+    return const
+
+
+def quantize_tensor(
+    t: torch.Tensor, *, transposed: bool = False, workspace: dict | None = None
+) -> Quantized:
     """``t`` (2-D) as E4M3 with one scale ``max|t| / 448``; with ``transposed``, its transpose
     too. CUDA, eager: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both
-    layouts; elsewhere, and under torch.compile, torch ops with the same maths."""
+    layouts, into ``workspace``'s buffer for the size when given (the result is overwritten by
+    the next quantise of that size into it: only for operands used up before then); elsewhere,
+    and under torch.compile, torch ops with the same maths.
+
+    [Note: quantise cost] Per call: the CPU path issues 6 aten ops (8 with ``transposed``, one
+    more for a 16-bit ``t``: its float32 copy) and allocates its 3 results (data, transpose,
+    scale: the scale is the amax's own storage) plus, for a float32 ``t``, one float32
+    intermediate (a 16-bit ``t``'s float32 copy is divided in place); the ``E4M3_MAX`` divisor
+    is made once per device. CUDA: two launches, at most one allocation (none with a
+    ``workspace``). Two launches are the floor for current scaling: no element can be cast
+    before the whole tensor's amax is known, which needs a grid-wide reduction, and Triton
+    offers no grid-wide barrier (a persistent kernel spinning on a global counter deadlocks
+    unless every program is resident, which nothing guarantees); taking the amax from the
+    previous op (Inductor's fusion under torch.compile) or from the previous step (delayed
+    scaling, other numerics) are the ways below two."""
     if t.is_cuda and not compiling():
         from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
 
-        data, data_t, scale = quantize_per_tensor(t.contiguous(), transposed=transposed)
+        data, data_t, scale = quantize_per_tensor(
+            t.contiguous(), transposed=transposed, workspace=workspace
+        )
         return Quantized(data, scale, data_t)
     # torch ops: on CPU, and under torch.compile, where Inductor fuses the amax and the cast
     # with their neighbours ([Note: compiled MX layers] in ops.py)
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
     # divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
     # multiply by its reciprocal, one bit off the Triton kernel's (and the CPU's) IEEE division
-    scale = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
-    data = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = amax.clamp_(min=AMAX_FLOOR).div_(_e4m3_max(amax))
+    # a 16-bit t's float32 copy is ours to divide in place; a float32 t is the caller's
+    wide = t / scale if t.dtype == torch.float32 else t.float().div_(scale)
+    data = wide.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return Quantized(data, scale, data.t().contiguous() if transposed else None)
 
 
@@ -104,6 +138,14 @@ class TensorScaledBackend(WgradBackend):
     name = "fp8-tensor"
     scale_formats = (TensorScale.FP32_PER_TENSOR,)
 
+    def __init__(self, recipe: Recipe, *, name: str | None = None):
+        super().__init__(recipe, name=name)
+        self._grad_out_buffers: dict = {}
+        """CUDA buffers of quantised ``grad_out`` by size, reused by every backward of this
+        backend: the dgrad and the wgrad (:meth:`wgrad_from_parts`, right after in the same
+        backward) use them up before the next layer's backward writes them again; stream order
+        does the rest. Never ``x`` or the weight, which outlive their call."""
+
     def forward(self, x, weight):
         return self.forward_for_backward(x, weight)[0]
 
@@ -132,7 +174,7 @@ class TensorScaledBackend(WgradBackend):
     def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
         if not (need_dgrad or need_wgrad):
             return None, None
-        g = quantize_tensor(grad_out, transposed=need_wgrad)
+        g = quantize_tensor(grad_out, transposed=need_wgrad, workspace=self._grad_out_buffers)
         grad_x = _mm(g, saved.weight.t(), grad_out.dtype, fast=False) if need_dgrad else None
         if not need_wgrad:
             return grad_x, None
