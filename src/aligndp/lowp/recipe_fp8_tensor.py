@@ -15,6 +15,22 @@ quantised once, and the pass that casts it also writes the transposed layout its
 wants (:mod:`aligndp.lowp.fp8_tensor_kernels` on CUDA). cuBLASLt's FP8 GEMM needs 16-byte
 aligned output pointers and dims that are multiples of 16. The recipe is this module (the
 recipe and its one backend) and its kernel module.
+
+[Note: quantise cost]
+What one eager quantise costs the host, per operand. CPU (also the reference of the CUDA path):
+6 aten ops (8 with the transpose, one more for a 16-bit input's float32 copy); it allocates
+its results (data, transpose, and the scale, which is the amax's own storage) and, for a
+float32 input, one float32 intermediate (a 16-bit input's float32 copy is divided in place);
+the ``E4M3_MAX`` divisor is made once per device. CUDA: two launches and at most one
+allocation, none for ``grad_out``, which the backward quantises into a workspace it uses up
+before the next backward (``x`` and the weight are saved for backward or cached, so they get
+storage of their own). Two launches are the floor for current scaling: no element can be
+cast before the whole tensor's amax is known, a grid-wide reduction, and Triton has no
+grid-wide barrier (a persistent kernel spinning on a global counter deadlocks unless every
+program is resident, which nothing guarantees). The ways below two change where the amax
+comes from: the previous op (Inductor fuses it there under torch.compile) or the previous
+step (delayed scaling: other numerics, so not the default). The weight pays its two launches
+once per step ([Note: weights once per step] in linear.py).
 """
 
 from __future__ import annotations
@@ -80,19 +96,7 @@ def quantize_tensor(
     too. CUDA, eager: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both
     layouts, into ``workspace``'s buffer for the size when given (the result is overwritten by
     the next quantise of that size into it: only for operands used up before then); elsewhere,
-    and under torch.compile, torch ops with the same maths.
-
-    [Note: quantise cost] Per call: the CPU path issues 6 aten ops (8 with ``transposed``, one
-    more for a 16-bit ``t``: its float32 copy) and allocates its 3 results (data, transpose,
-    scale: the scale is the amax's own storage) plus, for a float32 ``t``, one float32
-    intermediate (a 16-bit ``t``'s float32 copy is divided in place); the ``E4M3_MAX`` divisor
-    is made once per device. CUDA: two launches, at most one allocation (none with a
-    ``workspace``). Two launches are the floor for current scaling: no element can be cast
-    before the whole tensor's amax is known, which needs a grid-wide reduction, and Triton
-    offers no grid-wide barrier (a persistent kernel spinning on a global counter deadlocks
-    unless every program is resident, which nothing guarantees); taking the amax from the
-    previous op (Inductor's fusion under torch.compile) or from the previous step (delayed
-    scaling, other numerics) are the ways below two."""
+    and under torch.compile, torch ops with the same maths. Cost: [Note: quantise cost]."""
     if t.is_cuda and not compiling():
         from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
 
