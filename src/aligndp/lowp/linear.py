@@ -28,6 +28,9 @@ the version counter, as it is to autograd's saved-tensor check: call
 :meth:`MXLinear.drop_quantised_weight` after one, or build the layer with
 ``cache_weight=False``. Cached tensors are never written again (a change makes new ones), so
 the backwards of earlier micro-batches that still hold them read what their forward read.
+The price is memory: the quantised weight stays allocated from one step to the next (for
+``fp8-tensor`` 2 bytes per element, both layouts) instead of from forward to backward only;
+the stale one is dropped before its successor is made, so no step holds two.
 Under ``torch.compile`` there is no cache: the quantise is in the graph, where Inductor fuses
 it with its neighbours, and a cached tensor handed in through an opaque op would be an
 Inductor buffer it may reuse in place; one quantise per forward is the compiled cost.
