@@ -6,9 +6,10 @@ Variants (``--variants``, comma-separated; ``+compile`` = ``torch.compile`` of t
 of an FP8 variant's time), ``torchao+compile`` (torchao float8
 tensorwise with its own auto layer filter, when torchao is importable), and every aligndp recipe
 ``fp8-tensor``, ``fp8``, ``mxfp8``, eager and ``+compile``, each converting the layers its default
-rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run);
-``+nocache`` quantises a recipe's weights in every forward ([Note: weights once per step] off),
-which with ``--grad-accum 4`` shows what quantising them once per step saves. A recipe
+rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run, and a
+variant written ``fp8-tensor:all+compile`` sets it for that variant alone); ``+nocache``
+quantises a recipe's weights in every forward ([Note: weights once per step] off), which with
+``--grad-accum 4`` shows what quantising them once per step saves. A recipe
 that converts no layer on this GPU is reported, not timed (its step is the bf16 step).
 All variants use aligndp's GPT preset, bf16 autocast, fp32 params; the aligndp ones go through
 ``aligndp.parallelize`` (fused wgrad into the grad buffer, AdamW).
@@ -89,6 +90,8 @@ def build(variant: str, args, device: torch.device):
     kind, *flags = variant.split("+")
     if not set(flags) <= {"compile", "nocache"}:
         raise SystemExit(f"variant {variant!r}: the suffixes are +compile and +nocache")
+    kind, _, layers = kind.partition(":")  # fp8-tensor:all+compile: this variant's --layers
+    layers = layers or args.layers
     module = build_gpt(args.preset, device, torch.float32)
     fused = device.type == "cuda"
     note = ""
@@ -115,12 +118,12 @@ def build(variant: str, args, device: torch.device):
             return None, None, f"no {kind} backend on {device.type}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the no-fast-path warning: the note says it
-            plan = conversion_plan(module, recipe, layers=args.layers)
+            plan = conversion_plan(module, recipe, layers=layers)
         note = describe_plan(kind, plan)
         if all(why for _, why in plan):
             return None, None, note
         note = f"{sum(not why for _, why in plan)}/{len(plan)}|{note}"
-        convert_to_mxfp8(module, backend=backend.name, layers=args.layers)
+        convert_to_mxfp8(module, backend=backend.name, layers=layers)
         if "nocache" in flags:  # [Note: weights once per step] off: a quantise per forward
             for m in module.modules():
                 if isinstance(m, MXLinear):
