@@ -268,12 +268,14 @@ def case_fused_zero1(rank, ws):
     check_fused_grads_match_per_rank_reference("zero1", rank, ws)
 
 
-def check_cached_weights_equal_uncached(sharding: str, rank: int, overlap: bool) -> None:
+def check_cached_weights_equal_uncached(
+    sharding: str, rank: int, overlap: bool, **optimizer
+) -> None:
     """[Note: weights once per step] under DataParallel: 2 steps of 2 micro-batches (the first
     under ``no_sync``) give the outputs and params of the same run with ``cache_weight=False``,
-    bit for bit. The updated weights reach the layers through the all-gather (ZeRO-1), which
-    bumps no version counter; a ``param.data =`` write between micro-batches goes through the
-    wrapped param's copy."""
+    bit for bit. The updated weights reach the layers through the all-gather (ZeRO-1; layer-wise
+    Muon on the ranks that do not own a matrix), which bumps no version counter; a
+    ``param.data =`` write between micro-batches goes through the wrapped param's copy."""
     runs = []
     for cache in (True, False):
         net = make_net()
@@ -281,7 +283,11 @@ def check_cached_weights_equal_uncached(sharding: str, rank: int, overlap: bool)
             if isinstance(m, MXLinear):
                 m.cache_weight = cache
         model, opt = aligndp.parallelize(
-            net, sharding=sharding, wgrad="fp8-tensor", lr=0.05, overlap_param_gather=overlap
+            net,
+            sharding=sharding,
+            wgrad="fp8-tensor",
+            overlap_param_gather=overlap,
+            **({"lr": 0.05} | optimizer),
         )
         outputs = []
         for step in range(2):
@@ -310,6 +316,7 @@ def check_cached_weights_equal_uncached(sharding: str, rank: int, overlap: bool)
 def case_cached_weights_zero1(rank, ws):
     check_cached_weights_equal_uncached("zero1", rank, overlap=False)
     check_cached_weights_equal_uncached("zero1", rank, overlap=True)
+    check_cached_weights_equal_uncached("zero1", rank, overlap=False, optimizer="muon")
 
 
 @case(2)
