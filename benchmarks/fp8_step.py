@@ -39,7 +39,7 @@ import torch.distributed as dist
 from _bench import build_gpt
 
 import aligndp
-from aligndp.lowp import MXLinear, convert_to_mxfp8
+from aligndp.lowp import convert_to_mxfp8
 from aligndp.lowp.layer_rule import describe_plan
 from aligndp.lowp.linear import conversion_plan
 from aligndp.lowp.recipes import get_recipe
@@ -123,11 +123,10 @@ def build(variant: str, args, device: torch.device):
         if all(why for _, why in plan):
             return None, None, note
         note = f"{sum(not why for _, why in plan)}/{len(plan)}|{note}"
-        convert_to_mxfp8(module, backend=backend.name, layers=layers)
-        if "nocache" in flags:  # [Note: weights once per step] off: a quantise per forward
-            for m in module.modules():
-                if isinstance(m, MXLinear):
-                    m.cache_weight = False
+        # +nocache: [Note: weights once per step] off, a weight quantise per forward
+        convert_to_mxfp8(
+            module, backend=backend.name, layers=layers, cache_weight="nocache" not in flags
+        )
         model, opt = aligndp.parallelize(
             module, optimizer="adamw", lr=3e-4, wgrad=kind, process_group=args.process_group
         )

@@ -86,15 +86,11 @@ def test_micro_batches_quantise_each_weight_once_per_step(backend, weight_quanti
     dgrad); both agree bit for bit; the optimizer's step makes the next forward quantise
     again."""
     torch.manual_seed(0)
-    net = convert_to_mxfp8(
-        nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32), nn.Linear(32, 8)),
-        backend=backend,
-        layers="all",
+    module = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32), nn.Linear(32, 8))
+    plain = convert_to_mxfp8(
+        copy.deepcopy(module), backend=backend, layers="all", cache_weight=False
     )
-    plain = copy.deepcopy(net)
-    for m in plain.modules():
-        if isinstance(m, MXLinear):
-            m.cache_weight = False
+    net = convert_to_mxfp8(module, backend=backend, layers="all")
     layers = [m for m in net.modules() if isinstance(m, MXLinear)]
     plain_layers = [m for m in plain.modules() if isinstance(m, MXLinear)]
     assert len(layers) == 2  # the head stays nn.Linear

@@ -287,16 +287,20 @@ class ReferenceBackend(WgradBackend):
         """``t`` through the recipe's E4M3 blocks along ``dim`` and back, as float32."""
         return dequantize_mxfp8(quantize_mxfp8(t, dim=dim, block_size=self.block), dim=dim)
 
+    def _weight_for_dgrad(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight through blocks along out-features, dgrad's contraction dim."""
+        return self._mx(weight, 0)
+
     def quantize_weight(self, weight):
         """The weight through its blocks along in-features (forward) and out-features (dgrad),
         dequantised: float32, both layouts."""
-        return self._mx(weight, -1), self._mx(weight, 0)
+        return self._mx(weight, -1), self._weight_for_dgrad(weight)
 
     def forward(self, x, weight):
         return (self._mx(x, -1) @ self._mx(weight, -1).T).to(x.dtype)
 
     def dgrad(self, grad_out, weight):
-        return (self._mx(grad_out, -1) @ self._mx(weight, 0)).to(grad_out.dtype)
+        return (self._mx(grad_out, -1) @ self._weight_for_dgrad(weight)).to(grad_out.dtype)
 
     def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         if weight_q is None:

@@ -305,6 +305,7 @@ def convert_to_mxfp8(
     filter: Callable[[str, nn.Linear], bool] | None = None,
     backend: str | WgradBackend = "reference",
     layers: str = "pays",
+    cache_weight: bool = True,
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules of ``model`` (in place) for :class:`MXLinear`; return ``model``.
 
@@ -314,7 +315,8 @@ def convert_to_mxfp8(
     path, with one warning); ``layers="all"`` every layer the recipe can run
     (:meth:`~aligndp.lowp.recipe.Recipe.converts`); ``filter(name, module) -> bool`` replaces
     both (``name`` as in ``named_modules``). Parameters are reused, so state_dict keys and
-    optimizers are unchanged; model code is not touched.
+    optimizers are unchanged; model code is not touched. ``cache_weight``: each layer keeps its
+    quantised weight until the weight changes ([Note: weights once per step]).
     """
     backend = get_backend(backend)
     if filter is None:
@@ -326,5 +328,6 @@ def convert_to_mxfp8(
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXLinear.from_linear(module, backend=backend))
+        new = MXLinear.from_linear(module, backend=backend, cache_weight=cache_weight)
+        setattr(parent, child, new)
     return model
