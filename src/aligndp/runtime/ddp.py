@@ -220,8 +220,8 @@ class DataParallel(nn.Module):
             rank=self.rank,
             device=self.device,
             eager_zero=claim_params(self, self.params),
-            param_writes=lambda gather=self.param_gather: gather.writes,
         )
+        self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(hook)

@@ -77,12 +77,9 @@ class GradReducer(Reduction):
         rank: int,
         device: torch.device,
         eager_zero: set[nn.Parameter],
-        param_writes: Callable[[], int] = lambda: 0,
     ) -> None:
         """``params`` in registration order; ``config``: the model's ``DDPConfig``;
-        ``eager_zero``: params whose stale views are zeroed at ``zero_grad``;
-        ``param_writes``: the param gather's count of writes (:meth:`param_writes`)."""
-        self._param_writes = param_writes
+        ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
         self.index, self.groups, self.config = index, list(groups), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
@@ -176,12 +173,6 @@ class GradReducer(Reduction):
         return hook, arrive
 
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/plan/fused.py) ----
-    def param_writes(self) -> int:
-        """Param writes torch's version counters miss (the model's param gathers):
-        quantised-weight caches key on it ([Note: weights once per step] in
-        aligndp/lowp/linear.py)."""
-        return self._param_writes()
-
     def grad_target(self, param: nn.Parameter) -> GradTarget | None:
         k = self._k.get(param)
         if k is None:

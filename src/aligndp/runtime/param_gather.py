@@ -60,7 +60,7 @@ class ParamGather:
         self.writes = 0
         """Bucket gathers launched so far (at dp_size 1 too, where the step's cast-back alone
         wrote ``param_data``): the params' values changed without their version counters
-        (the grad sink's :meth:`~aligndp.runtime.grad_sync.GradReducer.param_writes`)."""
+        (the grad sink's :meth:`~aligndp.runtime.reduction.Reduction.param_writes`)."""
         self._group_of: dict[int, BucketGroup] = {
             id(p): g for g in self._groups.values() for p in g.params
         }
