@@ -224,3 +224,17 @@ def test_grad_accumulation_matches_under_no_grad_eval_and_autocast():
     F.mse_loss(y, torch.zeros_like(y)).backward()
     F.mse_loss(y_plain, torch.zeros_like(y_plain)).backward()
     assert torch.equal(cached.weight.grad, plain.weight.grad)
+
+
+def test_pickled_and_copied_without_the_cache():
+    """A layer that has run pickles (weak references would not) and deep-copies without its
+    cache; the copy computes what the original does."""
+    import pickle
+
+    cached, plain = pair("fp8-tensor")
+    x = micro_batch(0)
+    cached(x)
+    for twin in (pickle.loads(pickle.dumps(cached)), copy.deepcopy(cached)):
+        assert twin._cached is None
+        assert torch.equal(twin(x), plain(x))
+    assert cached._cached is not None

@@ -236,6 +236,11 @@ class MXLinear(nn.Linear):
         storage = weakref.ref(weight.untyped_storage())
         self._cached = _CachedWeight(weakref.ref(weight), storage, key, quantised)
 
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied without the cache (weak references do not pickle; a copy's
+        weight is another tensor anyway)."""
+        return {**self.__dict__, "_cached": None}
+
     def drop_quantised_weight(self) -> None:
         """Forget the cached quantised weight (after a write through ``weight.data``, which
         torch's version counter does not see)."""
