@@ -17,6 +17,8 @@ bytes and scale must be, so params, masters and losses agree bit for bit:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 import aligndp
 from aligndp.lowp import convert_to_mxfp8, recipe_fp8_tensor
-from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX, gathered_weight
+from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
 from tests._dist import case, make_tests
 from tests.models import ckpt
 
@@ -116,30 +118,39 @@ def check_gathered(model, ref: nn.Module, what: str) -> None:
             assert torch.equal(params[n].detach(), p.detach()), f"{what}: {n}"
             continue
         data, scale = by_hand(p.detach())
-        operand = gathered_weight(params[n])
-        assert operand is not None, f"{what}: {n} has no gathered operand"
+        layer = model.module.get_submodule(n.removesuffix(".weight"))
+        with counting_weight_quantises(model) as calls:
+            operand = layer.quantised_weight()  # the gathered one: nothing is quantised
+        assert not calls, f"{what}: {n} was quantised again instead of taken as gathered"
         assert torch.equal(operand.scale, scale), f"{what}: scale of {n}"
         assert torch.equal(operand.data.view(torch.uint8), data.view(torch.uint8)), f"{what}: {n}"
         assert torch.equal(params[n].detach(), data.float() * scale), f"{what}: decoded {n}"
 
 
-def weight_quantises(model, x) -> int:
-    """How many weights a forward quantises (a gathered weight needs none)."""
+@contextlib.contextmanager
+def counting_weight_quantises(model):
+    """The shapes of the converted weights quantised inside (a gathered weight needs none)."""
     shapes = {tuple(model.module.get_parameter(n).shape) for n in CONVERTED}
     calls = []
     original = recipe_fp8_tensor.quantize_tensor
 
     def counting(t, **kwargs):
-        calls.append(tuple(t.shape))
+        if tuple(t.shape) in shapes:
+            calls.append(tuple(t.shape))
         return original(t, **kwargs)
 
     recipe_fp8_tensor.quantize_tensor = counting
     try:
-        with torch.no_grad():
-            model(x)
+        yield calls
     finally:
         recipe_fp8_tensor.quantize_tensor = original
-    return sum(shape in shapes for shape in calls)
+
+
+def weight_quantises(model, x) -> int:
+    """How many weights a forward quantises."""
+    with counting_weight_quantises(model) as calls, torch.no_grad():
+        model(x)
+    return len(calls)
 
 
 def check_equals_one_process(rank: int, ws: int, optimizer: str, **kwargs) -> None:

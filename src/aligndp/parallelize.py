@@ -267,7 +267,7 @@ def parallelize(
     if fp8_param_gather:
         from aligndp.lowp.fp8_gather import Fp8TensorGatherCodec
 
-        codec = Fp8TensorGatherCodec()
+        codec = Fp8TensorGatherCodec(model)
     ddp = DataParallel(
         model, process_group=process_group, config=config, plan=request, gather_codec=codec
     )

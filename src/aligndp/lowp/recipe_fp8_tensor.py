@@ -16,19 +16,26 @@ wants (:mod:`aligndp.lowp.fp8_tensor_kernels` on CUDA). cuBLASLt's FP8 GEMM need
 aligned output pointers and dims that are multiples of 16. The recipe is this module (the
 recipe and its one backend) and its kernel module.
 
-With ``parallelize(fp8_param_gather=True)`` a weight arrives already quantised: the param
-all-gather moved its FP8 bytes and scale ([Note: FP8 param gather] in
-aligndp/runtime/gather_codec.py) and :func:`publish_weight` hands them to the backend, whose
-forward takes them instead of quantising the weight (the same bytes and scale a quantise of
-the fp32 master would give) until the weight is written again (its version counter moves).
-Under ``torch.compile`` the weight is quantised in the graph as before: from the decoded
-value, whose scale can differ from the gathered one in the last bit.
+[Note: quantise cost]
+What one eager quantise costs the host, per operand. CPU (also the reference of the CUDA path):
+6 aten ops (8 with the transpose, one more for a 16-bit input's float32 copy); it allocates
+its results (data, transpose, and the scale, which is the amax's own storage) and, for a
+float32 input, one float32 intermediate (a 16-bit input's float32 copy is divided in place);
+the ``E4M3_MAX`` divisor is made once per device. CUDA: two launches and at most one
+allocation, none for ``grad_out``, which the backward quantises into a workspace it uses up
+before the next backward (``x`` and the weight are saved for backward or cached, so they get
+storage of their own). Two launches are the floor for current scaling: no element can be
+cast before the whole tensor's amax is known, a grid-wide reduction, and Triton has no
+grid-wide barrier (a persistent kernel spinning on a global counter deadlocks unless every
+program is resident, which nothing guarantees). The ways below two change where the amax
+comes from: the previous op (Inductor fuses it there under torch.compile) or the previous
+step (delayed scaling: other numerics, so not the default). The weight pays its two launches
+once per step ([Note: weights once per step] in linear.py).
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -46,8 +53,6 @@ __all__ = [
     "quantize_tensor",
     "scale_of",
     "cast_e4m3",
-    "publish_weight",
-    "gathered_weight",
 ]
 
 E4M3_MAX = 448.0
@@ -77,69 +82,61 @@ class Quantized(NamedTuple):
         return Quantized(data_t, self.scale, self.data)
 
 
-def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
+_E4M3_MAX_ON: dict[torch.device, torch.Tensor] = {}
+"""A 0-d float32 ``E4M3_MAX`` per device, made once (eager only: a compiled graph makes its
+own constant)."""
+
+
+def _e4m3_max(like: torch.Tensor) -> torch.Tensor:
+    if compiling():
+        return like.new_full((), E4M3_MAX)
+    const = _E4M3_MAX_ON.get(like.device)
+    if const is None:
+        const = _E4M3_MAX_ON[like.device] = like.new_full((), E4M3_MAX)
+    return const
+
+
+def quantize_tensor(
+    t: torch.Tensor, *, transposed: bool = False, workspace: dict | None = None
+) -> Quantized:
     """``t`` (2-D) as E4M3 with one scale ``max|t| / 448``; with ``transposed``, its transpose
     too. CUDA, eager: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both
-    layouts; elsewhere, and under torch.compile, torch ops with the same maths."""
+    layouts, into ``workspace``'s buffer for the size when given (the result is overwritten by
+    the next quantise of that size into it: only for operands used up before then); elsewhere,
+    and under torch.compile, torch ops with the same maths. Cost: [Note: quantise cost]."""
     if t.is_cuda and not compiling():
         from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
 
-        data, data_t, scale = quantize_per_tensor(t.contiguous(), transposed=transposed)
+        data, data_t, scale = quantize_per_tensor(
+            t.contiguous(), transposed=transposed, workspace=workspace
+        )
         return Quantized(data, scale, data_t)
     # torch ops: on CPU, and under torch.compile, where Inductor fuses the amax and the cast
     # with their neighbours ([Note: compiled MX layers] in ops.py)
-    scale = scale_of(torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32))
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+    # divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
+    # multiply by its reciprocal, one bit off the Triton kernel's (and the CPU's) IEEE division
+    scale = amax.clamp_(min=AMAX_FLOOR).div_(_e4m3_max(amax))
     data = cast_e4m3(t, scale)
     return Quantized(data, scale, data.t().contiguous() if transposed else None)
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """The float32 scale(s) ``max(amax, floor) / 448`` of float32 ``amax`` (any shape)."""
-    # divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
-    # multiply by its reciprocal, one bit off the Triton kernel's (and the CPU's) IEEE division
-    return torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
+    """The float32 scale(s) ``max(amax, floor) / 448`` of float32 ``amax`` (any shape), as
+    :func:`quantize_tensor` takes it: for an FP8 param gather, whose amax is the max of several
+    ranks' pieces ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py)."""
+    return amax.clamp(min=AMAX_FLOOR).div_(_e4m3_max(amax))
 
 
 def cast_e4m3(
     t: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``t / scale`` rounded to E4M3 (saturating at 448), into ``out`` when given (the same
-    cast kernel ``.to`` runs, one pass and one allocation fewer)."""
-    scaled = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX)
-    return scaled.to(torch.float8_e4m3fn) if out is None else out.copy_(scaled)
-
-
-_GATHERED: dict[int, tuple[weakref.ref, int, Quantized]] = {}
-"""id(weight) -> (the weight, its version when published, its gathered operand)."""
-
-
-def publish_weight(weight: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
-    """From now on, until ``weight`` is written, its layers' forward GEMM takes ``data`` (E4M3,
-    the weight's shape) and ``scale`` as the quantised weight ([Note: FP8 param gather])."""
-    if id(weight) not in _GATHERED:  # dropped with the weight (the operand views its buffer)
-        weakref.finalize(weight, _GATHERED.pop, id(weight), None)
-    _GATHERED[id(weight)] = (
-        weakref.ref(weight),
-        weight._version,
-        Quantized(data, scale, data.t().contiguous()),
-    )
-
-
-def gathered_weight(weight: torch.Tensor) -> Quantized | None:
-    """The operand :func:`publish_weight` gave ``weight``, if it still holds (not while
-    compiling: Python state a graph should not guard on)."""
-    entry = _GATHERED.get(id(weight))
-    if entry is None or compiling():
-        return None
-    ref, version, operand = entry
-    if ref() is not weight or weight._version != version:
-        return None
-    return operand
-
-
-def _weight_operand(weight: torch.Tensor) -> Quantized:
-    operand = gathered_weight(weight)
-    return operand if operand is not None else quantize_tensor(weight, transposed=True)
+    """``t / scale`` rounded to E4M3 (saturating at 448): the torch-ops cast of
+    :func:`quantize_tensor`, into ``out`` when given (``copy_`` runs the kernel ``.to`` does)."""
+    # a 16-bit t's float32 copy is ours to divide in place; a float32 t is the caller's
+    wide = t / scale if t.dtype == torch.float32 else t.float().div_(scale)
+    wide.clamp_(-E4M3_MAX, E4M3_MAX)
+    return wide.to(torch.float8_e4m3fn) if out is None else out.copy_(wide)
 
 
 class _Saved(NamedTuple):
@@ -168,12 +165,20 @@ class TensorScaledBackend(WgradBackend):
     name = "fp8-tensor"
     scale_formats = (TensorScale.FP32_PER_TENSOR,)
 
+    def __init__(self, recipe: Recipe, *, name: str | None = None):
+        super().__init__(recipe, name=name)
+        self._grad_out_buffers: dict = {}
+        """CUDA buffers of quantised ``grad_out`` by size, reused by every backward of this
+        backend: the dgrad and the wgrad (:meth:`wgrad_from_parts`, right after in the same
+        backward) use them up before the next layer's backward writes them again; stream order
+        does the rest. Never ``x`` or the weight, which outlive their call."""
+
     def forward(self, x, weight):
         return self.forward_for_backward(x, weight)[0]
 
     def dgrad(self, grad_out, weight):
         return _mm(
-            quantize_tensor(grad_out), _weight_operand(weight).t(), grad_out.dtype, fast=False
+            quantize_tensor(grad_out), quantize_tensor(weight).t(), grad_out.dtype, fast=False
         )
 
     def wgrad(self, grad_out, x):
@@ -181,17 +186,22 @@ class TensorScaledBackend(WgradBackend):
         xq = quantize_tensor(x, transposed=True).t()
         return _mm(g, xq, torch.float32, fast=False)
 
-    def forward_for_backward(self, x, weight, bias=None):
+    def quantize_weight(self, weight):
+        """Both layouts: row-major for forward, transposed for dgrad."""
+        return quantize_tensor(weight, transposed=True)
+
+    def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         # each operand once, in both layouts: x for forward and (transposed) wgrad, the weight
-        # for forward and (transposed) dgrad
-        xq, wq = quantize_tensor(x, transposed=True), _weight_operand(weight)
+        # for forward and (transposed) dgrad (or the layer's cached weight, quantised once)
+        xq = quantize_tensor(x, transposed=True)
+        wq = weight_q if weight_q is not None else self.quantize_weight(weight)
         bias = None if bias is None else bias.to(x.dtype)
         return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
 
-    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
         if not (need_dgrad or need_wgrad):
             return None, None
-        g = quantize_tensor(grad_out, transposed=need_wgrad)
+        g = quantize_tensor(grad_out, transposed=need_wgrad, workspace=self._grad_out_buffers)
         grad_x = _mm(g, saved.weight.t(), grad_out.dtype, fast=False) if need_dgrad else None
         if not need_wgrad:
             return grad_x, None

@@ -108,7 +108,7 @@ class BucketGroup:
         forward) its params are pending until :meth:`wait_gather`."""
         if not self.gathers:
             return
-        if self.coded is not None:  # None at dp 1: decoded already
+        if self.coded is not None:  # [Note: FP8 param gather]: encode, then gather
             self._gather_work = self.coded.launch(self.ref)
         elif self.collectives.dp_size > 1:
             bucket = self.buffer.bucket_param(self.ref.bucket)

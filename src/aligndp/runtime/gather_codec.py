@@ -24,7 +24,9 @@ same geometry; every other param gathers as before. Per bucket, after the optimi
 4. once waited for, every rank decodes each weight into ``param_data`` (so every read of the
    param — ``state_dict()``, an EMA, evaluation — sees the same value on every rank: the value
    the GEMM used) and the codec *publishes* the FP8 bytes and scale to the weight's layer,
-   which takes them as its forward operand instead of quantising the weight again.
+   which takes them as its forward operand instead of quantising the weight again (the
+   layer's quantised-weight cache, [Note: weights once per step] in aligndp/lowp/linear.py,
+   keyed on the gathers launched so far: so decoding waits for the wait, even at dp 1).
 
 The runtime knows no recipe: :class:`GatherCodec` is implemented in ``lowp/``
 (aligndp/lowp/fp8_gather.py) and handed over by ``parallelize`` (the api layer). Masters stay
@@ -85,6 +87,16 @@ def check_codec(layouts: list[BufferLayout], codec: GatherCodec | None) -> None:
         )
 
 
+class _Done:
+    """The Work of a gather with nothing to move (``dp_size == 1``)."""
+
+    def wait(self) -> None:
+        return None
+
+
+_DONE = _Done()
+
+
 @dataclasses.dataclass
 class _Bucket:
     params: tuple[nn.Parameter, ...]
@@ -138,9 +150,9 @@ class CodedGather:
         slot = self._slot[id(param)]
         return self.index.buffer(slot.ref).param_data[slot.owned.start : slot.owned.end]
 
-    def launch(self, ref: BucketRef) -> Work | None:
-        """Encode this rank's pieces of bucket ``ref`` and start its all-gather; the Work to
-        wait for (then :meth:`finish`), or None when done already (``dp_size == 1``)."""
+    def launch(self, ref: BucketRef) -> Work:
+        """Encode this rank's pieces of bucket ``ref`` and start its all-gather (none at
+        ``dp_size == 1``); the Work to wait for, then :meth:`finish`."""
         bucket, buf = self.buckets[ref], self.index.buffer(ref)
         local = bucket.amax.view(self.dp_size, -1)[self.rank]
         pieces = [self._piece(p) for p in bucket.params]
@@ -158,8 +170,7 @@ class CodedGather:
             self.codec.encode(pieces[i], bucket.scales[i], out=out)
         if self.dp_size > 1:
             return self.collectives.all_gather_shards(buf.bucket_gather(ref.bucket))
-        self.finish(ref)
-        return None
+        return _DONE
 
     def finish(self, ref: BucketRef) -> None:
         """After the gather: decode every param of ``ref`` into ``param_data`` and publish its
