@@ -29,6 +29,7 @@ from aligndp.plan.spec import (
     numel_cost,
 )
 from aligndp.runtime.ddp import DataParallel, DDPConfig
+from aligndp.runtime.mesh import data_parallel_groups
 from aligndp.user_input import check_master_weights, check_parallelize_inputs, take_torch_ddp_kwargs
 
 __all__ = ["parallelize", "plan_request", "SHARDINGS"]
@@ -40,6 +41,13 @@ def _wgrad_requirements(wgrad: str | None) -> list[Requirement]:
     from aligndp.lowp.recipes import wgrad_requirements
 
     return wgrad_requirements("none" if wgrad is None else wgrad)
+
+
+def _shard_size(process_group: dist.ProcessGroup | None, mesh: object | None) -> int:
+    """The plan's dp_size: the ranks that shard among themselves (a mesh's shard dim)."""
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(data_parallel_groups(process_group, mesh).shard)
 
 
 def _use_fused_kernels(model: nn.Module, opt_class: type, optimizer_kwargs: dict) -> bool:
@@ -103,6 +111,7 @@ def parallelize(
     sharding: str = "none",
     lr: float | None = None,
     process_group: dist.ProcessGroup | None = None,
+    mesh: object | None = None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     wgrad: str | None = None,
     grad_dtype: torch.dtype | None = None,
@@ -134,6 +143,11 @@ def parallelize(
             buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1.
         sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
         lr: learning rate; None keeps the torch optimizer's default.
+        process_group: the data-parallel group (None: the default group).
+        mesh: instead of ``process_group``, a torch ``DeviceMesh`` over every rank: 1-D (the
+            same as its group) or 2-D with dims named ``("replicate", "shard")``: sharded
+            modes shard over the shard dim and all-reduce each owned shard across the
+            replicate dim ([Note: replicate x shard mesh] in aligndp/runtime/mesh.py).
         bucket_numel: elements per bucket (default 40 M, as everywhere); None: one bucket per
             buffer.
         wgrad: a registered wgrad recipe (``aligndp.lowp.recipe_names()``: ``"none"``,
@@ -215,7 +229,7 @@ def parallelize(
         model,
         optimizer=optimizer,
         sharding=sharding,
-        dp_size=dist.get_world_size(process_group) if dist.is_initialized() else 1,
+        dp_size=_shard_size(process_group, mesh),
         bucket_numel=bucket_numel,
         wgrad=wgrad,
         grad_dtype=grad_dtype,
@@ -234,7 +248,7 @@ def parallelize(
         collectives=collectives,
     )
     groups = resolve_param_groups(model, param_groups)
-    ddp = DataParallel(model, process_group=process_group, config=config, plan=request)
+    ddp = DataParallel(model, process_group=process_group, mesh=mesh, config=config, plan=request)
     gather = {"max_grad_norm": max_grad_norm, "overlap_param_gather": overlap_param_gather}
     masters = master_weights is not False  # None: zero1's default, fp32 masters
     if spec is None and sharding == "zero1":

@@ -77,6 +77,7 @@ from aligndp.runtime.collective_backends import (
     make_collectives,
 )
 from aligndp.runtime.grad_sync import GradSync
+from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex, StepState, param_index
 from aligndp.runtime.wrapped_param import binding, claim_params
@@ -136,7 +137,9 @@ class DataParallel(GradSync, nn.Module):
     replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
     ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)
-    replaces ``modes`` and the config's planning fields.
+    replaces ``modes`` and the config's planning fields. ``mesh``: a torch ``DeviceMesh``
+    instead of ``process_group`` ([Note: replicate x shard mesh] in mesh.py): ``dp_size`` and
+    ``rank`` are then the shard group's, ``process_group``/``world_size`` every rank's.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class DataParallel(GradSync, nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        mesh: object | None = None,
         config: DDPConfig = DDPConfig(),
         modes: Mapping[str, Mode] | None = None,
         requirements: Iterable[Requirement] = (),
@@ -157,12 +161,18 @@ class DataParallel(GradSync, nn.Module):
                 "torch.distributed is not initialised: call dist.init_process_group() first"
             )
         self.module = module
-        self.process_group = process_group
+        groups = data_parallel_groups(process_group, mesh)
+        self.process_group = process_group = groups.world
+        self.world_size, self.world_rank = (
+            dist.get_world_size(process_group),
+            dist.get_rank(process_group),
+        )
         self.config = config
-        self.dp_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.collectives = make_collectives(config.collectives, group=process_group)
+        self.collectives = make_collectives(config.collectives, group=groups.shard)
         """The backend that reduces, gathers and allocates ([Note: collectives seam])."""
+        if groups.replicas > 1:
+            self.collectives = MeshCollectives(self.collectives, groups)
+        self.dp_size, self.rank = self.collectives.dp_size, self.collectives.rank
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
@@ -210,11 +220,11 @@ class DataParallel(GradSync, nn.Module):
         layouts = plan_buffers(
             plan.bind(specs, dp_size=self.dp_size, requirements=self.requirements)
         )
-        if self.dp_size > 1:
+        if self.world_size > 1:
             # [Note: ranks agree] in agreement.py, before any shape-dependent collective
             check_ranks_agree(module.named_parameters(), layouts, group=process_group)
             prepare_side_group(process_group)
-        if config.broadcast_at_wrap and self.dp_size > 1:
+        if config.broadcast_at_wrap and self.world_size > 1:
             self._broadcast_from_rank0()
         by_name = dict(named)
         with binding():
@@ -312,7 +322,7 @@ class DataParallel(GradSync, nn.Module):
             )
         if self._joined is not None:
             self._joined.forward()
-        if self.config.broadcast_buffers and self.dp_size > 1:
+        if self.config.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
         if torch.is_grad_enabled():
             self._reopen()  # before autograd accumulates into a ShardedGrad
@@ -368,7 +378,7 @@ class _Join:
         return int(t.item())
 
     def _message(self, training: int) -> str:
-        ws = self.model.dp_size
+        ws = self.model.world_size
         return (
             f"uneven inputs: {ws - training} of {ws} rank(s) ran out of batches while "
             f"{training} still train; give every rank the same number of batches (e.g. "
@@ -377,7 +387,7 @@ class _Join:
 
     def forward(self) -> None:
         training = self._still_training(1)
-        if training < self.model.dp_size:
+        if training < self.model.world_size:
             raise ValueError(self._message(training))
 
     def leave(self) -> None:

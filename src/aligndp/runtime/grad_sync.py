@@ -5,7 +5,8 @@ See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step sta
 :class:`GradSync` is a mixin: ``DataParallel`` provides ``params``, ``param_names``,
 ``index`` (the :class:`~aligndp.runtime.step_state.ParamIndex`), ``_slot`` and
 ``bucket_refs`` (its slots and refs), ``flat_buffers``, ``config``, ``collectives``, ``rank``,
-``dp_size``, ``device``, ``_eager_zero`` and ``_replaced``, and calls :meth:`_init_grad_sync`.
+``dp_size`` (the shard group's), ``world_rank``, ``world_size`` (every rank's), ``device``,
+``_eager_zero`` and ``_replaced``, and calls :meth:`_init_grad_sync`.
 
 ``state`` changes in these named transitions only ([Note: step states]):
 
@@ -217,6 +218,8 @@ class GradSync(Reduction):
                     slot.view.copy_(grad.view_as(slot.view))
                 self._used.add(p)
             else:  # own shard x dp_size, zeros elsewhere: the next mean adds the new mean to it
+                # (dp_size is the shard group's: on a mesh the replica all-reduce averages the
+                # replicas' identical old means to the old mean again)
                 lo, hi = slot.owned.lo, slot.owned.hi
                 flat[:lo].zero_()
                 flat[hi:].zero_()

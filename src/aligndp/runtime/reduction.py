@@ -49,7 +49,7 @@ class Reduction:
         grad = buf.bucket_grad(ref.bucket)
         if self.config.check_finite:
             self._check_finite(ref, grad)
-        if self.dp_size == 1:
+        if self.world_size == 1:
             self._works[ref] = None
         elif buf.layout.mode is Mode.REPLICATED:
             self._works[ref] = self.collectives.all_reduce_mean(grad)
@@ -152,11 +152,11 @@ class Reduction:
             late=self._problems["late"],
             stale_read=self._problems["stale_read"],
             nonfinite=nonfinite,
-            rank=self.rank,
-            dp_size=self.dp_size,
+            rank=self.world_rank,
+            dp_size=self.world_size,
             device=self.device,
         )
-        if self.dp_size > 1:
+        if self.world_size > 1:
             self.collectives.all_reduce_sum(local)
         return local
 
