@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from unittest import mock
 
@@ -368,7 +369,6 @@ def fp32_newton_schulz():
 # ---- a directory the ranks share ----
 if "ALIGNDP_TEST_CKPT_DIR" not in os.environ:  # the pytest process; ranks inherit the variable
     import atexit
-    import shutil
 
     os.environ["ALIGNDP_TEST_CKPT_DIR"] = tempfile.mkdtemp(prefix="aligndp-ckpt-")
     atexit.register(shutil.rmtree, os.environ["ALIGNDP_TEST_CKPT_DIR"], True)
@@ -388,3 +388,16 @@ def zero_middle(path) -> None:
     with open(path, "r+b") as f:
         f.seek(start)
         f.write(bytes(min(4096, size - start)))
+
+
+# ---- an `aligndp train` run cut short ----
+def interrupted_copy(run, out, *, checkpoint_step, last_logged_step):
+    """``out`` as a run of ``run`` killed after logging ``last_logged_step`` would leave it:
+    only the checkpoint at ``checkpoint_step`` and the metrics up to ``last_logged_step``."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "run.json", out / "run.json")
+    shutil.copy(run / "checkpoints" / "run.json", out / "checkpoints" / "run.json")
+    name = f"step-{checkpoint_step:06d}"
+    shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[: last_logged_step + 1]))

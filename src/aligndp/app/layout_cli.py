@@ -6,6 +6,10 @@ costs and where each param lands before a run, e.g.::
 
     python -m aligndp layout --preset 1b --dp 8 --mode layerwise --wgrad mxfp8 --png layout.png
 
+``--replicas R`` plans as ``aligndp train --replicas R`` runs: ``--dp`` stays the job's rank
+count and the buffers are planned for one replica's ``--dp / R`` ranks (the shard group of
+[Note: replicate x shard mesh]); every replica holds that layout.
+
 [Note: one plan request] (aligndp/plan/request.py): the command builds its request with
 :func:`aligndp.parallelize.plan_request`, the function ``parallelize()`` builds the run's
 with, and plans it with the same :func:`~aligndp.plan.request.plan_buffers` the
@@ -24,6 +28,7 @@ import os
 import torch
 import torch.nn as nn
 
+from aligndp.app.train_config import describe_mesh
 from aligndp.lowp.recipes import recipe_names
 from aligndp.optim.registry import known_optimizers, whole_matrix_spec
 from aligndp.parallelize import plan_request
@@ -62,7 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         help="comma-separated shapes in registration order, e.g. '768x2304,2304,50257x768'",
     )
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel ranks of the job, all replicas together: the world size, as "
+        "aligndp train counts --nproc (default 1)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas of the job, as aligndp train --replicas: the plan is made for one "
+        "replica's --dp / --replicas ranks (the shard group), and every replica holds it "
+        "(default 1: one flat group)",
+    )
     parser.add_argument(
         "--mode",
         choices=[m.value for m in Mode],
@@ -124,7 +143,10 @@ class LayoutOptions:
     model: nn.Module
     """The params to plan, on the meta device (a preset or ``--shapes``), in the param dtype."""
     dp_size: int = 1
-    """Data-parallel ranks the buffers are sharded over."""
+    """Data-parallel ranks of the job (the world size, every replica's ranks)."""
+    replicas: int = 1
+    """Replicas the ranks form ([Note: replicate x shard mesh]): buffers are sharded over
+    ``dp_size / replicas`` ranks, the same layout in every replica."""
     mode: Mode = Mode.REPLICATED
     """replicated: ``sharding="none"``; sharded / layerwise: ``sharding="zero1"`` (layerwise
     without a whole-matrix optimizer: every param in a layer-wise buffer)."""
@@ -150,6 +172,12 @@ class LayoutOptions:
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
+        if self.replicas < 1 or self.dp_size % self.replicas:
+            divisors = [d for d in range(1, self.dp_size + 1) if self.dp_size % d == 0]
+            raise ValueError(
+                f"--replicas {self.replicas} does not split --dp {self.dp_size} ranks (the world "
+                f"size) into equal replicas; use one of {', '.join(map(str, divisors))}"
+            )
         check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
 
     def request(self) -> PlanRequest:
@@ -158,7 +186,7 @@ class LayoutOptions:
             self.model,
             optimizer=self.optimizer,
             sharding="none" if self.mode is Mode.REPLICATED else "zero1",
-            dp_size=self.dp_size,
+            dp_size=self.shard_size,
             bucket_numel=self.bucket_numel,
             wgrad=self.wgrad,
             grad_dtype=self.grad_dtype,
@@ -167,6 +195,21 @@ class LayoutOptions:
         if self.mode is Mode.LAYERWISE and whole_matrix_spec(self.optimizer) is None:
             request = dataclasses.replace(request, mode=Mode.LAYERWISE, modes={})
         return request
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one replica shards over: the plan's ``dp_size``, as the run's shard group."""
+        return self.dp_size // self.replicas
+
+    def mesh(self) -> str:
+        """The line naming the mesh ("" for one replica: the flat group)."""
+        if self.replicas == 1:
+            return ""
+        return (
+            f"mesh: {describe_mesh(self.replicas, self.dp_size)} ({self.dp_size} ranks): each "
+            f"replica's {self.shard_size} ranks shard the buffers below; the {self.replicas} "
+            "replicas hold identical layouts"
+        )
 
     def plan(self) -> list[BufferLayout]:
         return plan_buffers(self.request())
@@ -246,6 +289,7 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
     return LayoutOptions(
         model=model,
         dp_size=args.dp,
+        replicas=args.replicas,
         mode=Mode.parse(args.mode),
         optimizer=args.optimizer,
         wgrad=args.wgrad,
@@ -313,8 +357,11 @@ def run(args: argparse.Namespace) -> int:
     png = _png_path(args.png) if args.png else None
     layouts = options.plan()
     if args.json:
-        print(json.dumps({"buffers": [layout.to_dict() for layout in layouts]}))
+        mesh = {"replicas": options.replicas, "shards": options.shard_size}
+        print(json.dumps({"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}))
     else:
+        if options.mesh():
+            print(options.mesh())
         for layout in layouts:
             print(layout)
             extra = summary(layout, asked_alignment=options.start_alignment)

@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        train(config_from_args(args))
+        world = int(os.environ["WORLD_SIZE"]) if _inside_torchrun() else None
+        train(config_from_args(args, world_size=world))
     except SignalException as e:  # the launcher turns SIGINT/SIGTERM into this
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import aligndp
 from aligndp.app.data import BatchSpec, TokenData
-from aligndp.app.train_config import TrainConfig
+from aligndp.app.train_config import TrainConfig, describe_mesh
 from aligndp.app.train_report import (
     MetricsLog,
     Progress,
@@ -43,6 +43,7 @@ __all__ = [
     "latest_checkpoint",
     "lr_factor",
     "wgrad_backend",
+    "data_parallel_mesh",
     "EVAL_BATCHES",
 ]
 
@@ -177,6 +178,11 @@ class _Job:
     peak_lrs: list[float]
     """Each optimizer param group's lr as built (see _set_lr)."""
 
+    @property
+    def replicas(self) -> int:
+        """Replicas as the model built its groups: the world over its shard group's size."""
+        return self.dp_size // self.model.dp_size
+
     def autocast(self):
         if self.config.dtype == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -217,11 +223,27 @@ def _setup(config: TrainConfig) -> _Job:
         sharding=config.sharding,
         lr=config.lr,
         wgrad=config.wgrad,
+        mesh=data_parallel_mesh(config.replicas, dp_size, device),
     )
     if config.compile:
         compile_blocks(module)
     peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
     return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
+
+
+def data_parallel_mesh(replicas: int, world_size: int, device: torch.device):
+    """``--replicas``: the ``(replicas, world / replicas)`` DeviceMesh named ``("replicate",
+    "shard")`` over every rank (row-major, so a replica is consecutive ranks: one node under
+    torchrun); None for one replica, which keeps the flat path as it was (no mesh, the default
+    group). Building it is a collective: every rank calls it."""
+    if replicas == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert world_size % replicas == 0, (world_size, replicas)  # TrainConfig checked it
+    return init_device_mesh(
+        device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def compile_blocks(module: GPT, backend: str = "inductor") -> None:
@@ -335,6 +357,7 @@ def _train(config: TrainConfig) -> dict:
         steps=config.steps,
         start_step=start_step,
         dp_size=job.dp_size,
+        replicas=job.replicas,
         vocab_size=PRESETS[config.preset].vocab_size,
         train_loss=train_loss,
         eval_loss=eval_loss,
@@ -354,7 +377,7 @@ def _print_header(job: _Job, start_step: int) -> None:
     resumed = f", resuming at step {start_step}" if start_step else ""
     print(
         f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} "
-        f"rank(s), {config.optimizer}, sharding {config.sharding}; global batch "
+        f"rank(s) ({describe_mesh(job.replicas, job.dp_size)}), {config.optimizer}, sharding {config.sharding}; global batch "
         f"{config.batch_size} x {cfg.seq_len} tokens in {config.micro_batches} micro-batch(es); "
         f"data: {job.data.name} ({len(job.data):,} tokens); {config.steps} steps{resumed}",
         flush=True,
