@@ -40,6 +40,7 @@ def test_flags_are_pinned():
         "--preset",
         "--shapes",
         "--dp",
+        "--replicas",
         "--mode",
         "--optimizer",
         "--wgrad",
@@ -95,6 +96,33 @@ def test_json_matches_plan_layout(capsys):
         for p in buffer["params"]
     ] == [(p.name, p.shape, p.start, p.end, p.bucket, p.owner) for p in expected.params]
     assert [p["name"] for p in buffer["params"]] == ["p2", "p1", "p0"]
+
+
+def test_replicas_plan_for_the_shard_group(capsys):
+    """--dp 8 --replicas 2: 2 replicas of 4 ranks; the buffers are planned for the 4 ranks
+    that shard them (the run's shard group), not for all 8 — at dp 8 this buffer pads to
+    4,096 elements, at dp 4 to 3,584."""
+    shapes = ["--shapes", "100x30,7,50x3", "--mode", "sharded", "--bucket-numel", "1000"]
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    specs = [ParamSpec("p0", (100, 30)), ParamSpec("p1", (7,)), ParamSpec("p2", (50, 3))]
+    expected = plan_layout(specs, dp_size=4, mode="sharded", bucket_numel=1000)
+    assert doc["mesh"] == {"replicas": 2, "shards": 4}
+    (buffer,) = doc["buffers"]
+    assert buffer["padded_numel"] == expected.padded_numel == 3584
+    assert [(p["name"], p["start"], p["owner"]) for p in buffer["params"]] == [
+        (p.name, p.start, p.owner) for p in expected.params
+    ]
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
+    assert out.startswith(
+        "mesh: 2 replicas x 4 shards (8 ranks): each replica's 4 ranks shard the buffers "
+        "below; the 2 replicas hold identical layouts\n"
+    )
+    assert "dp_size=4" in out
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--json")
+    assert json.loads(out)["mesh"] == {"replicas": 1, "shards": 8}
+    assert json.loads(out)["buffers"][0]["padded_numel"] == 4096
 
 
 def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
@@ -198,6 +226,11 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         ([], r"exactly one of --preset or --shapes \(neither given\)"),
         (["--preset", "gpt5"], r"unknown preset 'gpt5'.*gpt2-small"),
         (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
+        (
+            ["--shapes", "4", "--dp", "4", "--replicas", "3"],
+            r"--replicas 3 does not split --dp 4 ranks \(the world size\).*use one of 1, 2, 4$",
+        ),
+        (["--shapes", "4", "--dp", "4", "--replicas", "0"], r"--replicas 0 does not split"),
         (
             ["--shapes", "4", "--bucket-numel", "0"],
             r"--bucket-numel must be a positive number.*leave it out",

@@ -88,9 +88,20 @@ def two_nodes(tmp_path_factory):
     return out, nodes
 
 
-def test_two_nodes_train_as_two_replicas_of_two_shards(two_nodes):
+def _layout_padded_numel(capsys, replicas: int) -> int:
+    """What ``aligndp layout`` plans for this run's ZeRO-1 buffers on 4 ranks."""
+    argv = ["layout", "--preset", "demo", "--dp", "4", "--replicas", str(replicas)]
+    assert cli.main([*argv, "--mode", "sharded", "--json"]) == 0
+    return sum(b["padded_numel"] for b in json.loads(capsys.readouterr().out)["buffers"])
+
+
+def test_two_nodes_train_as_two_replicas_of_two_shards(two_nodes, capsys):
     out, (node0, _) = two_nodes
     summary = json.loads((out / "summary.json").read_text())
+    # the run's buffers are the ones `aligndp layout --replicas 2` shows: planned for the 2
+    # ranks of a shard group, which pad less than a plan for 4 would
+    assert summary["padded_numel"] == _layout_padded_numel(capsys, 2)
+    assert summary["padded_numel"] != _layout_padded_numel(capsys, 1)
     assert (summary["dp_size"], summary["replicas"]) == (4, 2)
     assert summary["replicas_in_sync"] is True
     assert "on 4 gloo rank(s) (2 replicas x 2 shards)" in node0.stdout
@@ -115,3 +126,17 @@ def test_resume_on_a_flat_group_of_four_logs_the_same_losses(two_nodes, tmp_path
     assert losses == pytest.approx([r["loss"] for r in expected[CHECKPOINT:]], rel=LOSS_REL)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["start_step"], summary["dp_size"], summary["replicas"]) == (CHECKPOINT, 4, 1)
+
+
+def test_inside_torchrun_replicas_must_divide_its_world_size(tmp_path, capsys, monkeypatch):
+    """Under torchrun --nproc is ignored: --replicas is checked against WORLD_SIZE, on every
+    rank, before anything starts."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert cli.main(["train", "--replicas", "4", "--batch-size", "12", "--out", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "aligndp train: error: --replicas 4 does not split the 6 ranks (--nproc, or torchrun's "
+        "world size) into equal replicas; use one of 1, 2, 3, 6"
+    )
+    assert not os.listdir(tmp_path)

@@ -60,8 +60,9 @@ class TrainConfig:
     replicas: int = 1
     """Replicas of the job: the ranks form a (replicas, ranks / replicas) DeviceMesh, the
     optimizer is sharded inside each replica (consecutive ranks: one node under torchrun) and
-    each owned shard's gradient is all-reduced across replicas. It changes the communication,
-    not the maths, and must divide the rank count; 1: one flat group (no mesh)."""
+    each owned shard's gradient is all-reduced across replicas (--sharding none all-reduces
+    over every rank either way). It changes the communication, not the maths, and must divide
+    the rank count; 1: one flat group (no mesh)."""
     device: Device = "cpu"
     """cpu trains on gloo ranks; cuda on NCCL ranks, one GPU each."""
     dtype: Dtype = "fp32"
