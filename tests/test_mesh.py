@@ -159,7 +159,8 @@ def case_every_mode_matches_one_process_on_every_mesh(rank, ws):
         m = mesh(*shape)
         train_against_one_process(rank, ws, m, sharding="none")
         train_against_one_process(rank, ws, m, sharding="zero1", micro=2)
-        train_against_one_process(rank, ws, m, sharding="zero1", micro=2, sync_each=True)
+        if ws == 4:  # reopening adds nothing that the shape changes
+            train_against_one_process(rank, ws, m, sharding="zero1", micro=2, sync_each=True)
         with fp32_newton_schulz():
             train_against_one_process(rank, ws, m, sharding="zero1", optimizer="muon")
 
@@ -249,10 +250,18 @@ def flat(*ranks: int) -> dict:
     return {"process_group": _SUBGROUPS[ranks]}
 
 
-def run_on(where: dict, kind: str, steps: range, load: str | None = None, save: str | None = None):
-    """Build ``kind`` on ``where`` (``mesh=`` or ``process_group=``), load ``load``, train
-    ``steps`` on that group's share of the global batch, save to ``save``; the module, or None
-    on a rank outside the group."""
+def run_on(
+    where: dict,
+    kind: str,
+    steps: range,
+    *,
+    load: str | None = None,
+    saved: dict | None = None,
+    save: str | None = None,
+):
+    """Build ``kind`` on ``where`` (``mesh=`` or ``process_group=``), load ``load`` (its params
+    must be ``saved`` bit for bit), train ``steps`` on that group's share of the global batch,
+    save to ``save``; the module, or None on a rank outside the group."""
     group = where.get("process_group")
     if group is not None and dist.get_rank(group) < 0:
         return None
@@ -270,6 +279,8 @@ def run_on(where: dict, kind: str, steps: range, load: str | None = None, save: 
     )
     if load is not None:
         assert aligndp.load(load, model, opt) == SAVED_AT
+        for n, p in model.module.named_parameters():
+            assert torch.equal(p.detach(), saved[n]), f"{load} -> {where}: {n} loaded otherwise"
     for step in steps:
         loss_of(model, *batch(step, rank, ws, rows=ROWS)).backward()
         opt.step()
@@ -312,11 +323,7 @@ def resume_everywhere(path: str, kind: str, saved: dict, targets: list[dict]) ->
     rel = order_tolerance(terms=ROWS * TOKENS, steps=TOTAL, gain=gain)
     for where in targets:
         what = f"{kind} {path} -> {where}"
-        loaded = run_on(where, kind, range(0), load=path)
-        if loaded is not None:
-            for n, p in loaded.named_parameters():
-                assert torch.equal(p.detach(), saved[n]), f"{what}: {n} loaded otherwise"
-        resumed = run_on(where, kind, range(SAVED_AT, TOTAL), load=path)
+        resumed = run_on(where, kind, range(SAVED_AT, TOTAL), load=path, saved=saved)
         if resumed is not None:
             assert_params_match(resumed, done, f"{what} after {TOTAL - SAVED_AT} steps", rel)
 
@@ -350,10 +357,48 @@ def case_checkpoints_reshard_from_and_to_a_mesh(rank, ws):
 @case(8, after=(4,))
 def case_checkpoints_of_a_2x2_mesh_resume_at_8_ranks(rank, ws):
     with fp32_newton_schulz():
-        for kind in KINDS:
+        for kind, shape in zip(KINDS, [(2, 4), (4, 2), (4, 2)]):
             saved = torch.load(ckpt(f"mesh-2x2-{kind}.params.pt"))
-            targets = [{"mesh": mesh(2, 4)}, {"mesh": mesh(4, 2)}]
-            resume_everywhere(ckpt(f"mesh-2x2-{kind}"), kind, saved, targets)
+            resume_everywhere(ckpt(f"mesh-2x2-{kind}"), kind, saved, [{"mesh": mesh(*shape)}])
+
+
+# ---- faults ----
+
+
+def die_on_rank3_of_a_mesh(config, recipe=None):
+    """Entry point of the launched ranks (replaces train_loop.launched_worker): a 2x2 mesh
+    trains ZeRO-1; rank 3 dies at its second step, leaving its shard peer (rank 2) in a
+    reduce-scatter and its replica peer (rank 1) in an all-reduce."""
+    import os
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, opt = aligndp.parallelize(
+        make_net(), sharding="zero1", mesh=mesh(2, 2), bucket_numel=150
+    )
+    for step in range(3):
+        if step == 1 and rank == 3:
+            os._exit(3)
+        loss_of(model, *batch(step, rank, 4, rows=ROWS)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {}
+
+
+def test_a_rank_dying_in_a_mesh_ends_every_rank_naming_it(tmp_path, capsys):
+    import re
+    import time
+
+    from aligndp.app import cli
+
+    with mock.patch("aligndp.app.train_loop.launched_worker", die_on_rank3_of_a_mesh):
+        start = time.monotonic()
+        args = ["train", "--steps", "2", "--nproc", "4", "--out", str(tmp_path / "run")]
+        code = cli.main(args)
+    assert code == 1, code
+    err = capsys.readouterr().err
+    assert re.search(r"rank(\(s\))? 3\b.*failed", err), err
+    assert time.monotonic() - start < 90, "the other ranks must be stopped once rank 3 died"
 
 
 make_tests(globals())
