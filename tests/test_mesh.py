@@ -27,6 +27,7 @@ from tests.models import (
     ADAMW_GAIN,
     MUON_GAIN,
     TOKENS,
+    VOCAB,
     assert_close,
     assert_params_match,
     assert_replicas_identical,
@@ -87,6 +88,12 @@ def case_meshes_that_do_not_fit_are_refused_on_every_rank(rank, ws):
         assert words in one_line(info.value), (kwargs, info.value)
         with pytest.raises(error):
             DataParallel(net, **kwargs)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model, _ = aligndp.parallelize(net, mesh=mesh(2, 2))
+    with pytest.raises(ValueError) as info:
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    assert "not a 2-D mesh" in one_line(info.value)
 
 
 # ---- parity ----
@@ -188,6 +195,33 @@ def case_one_dim_mesh_is_the_flat_group_bit_for_bit(rank, ws):
             runs.append([p.detach().clone() for p in model.module.parameters()])
         for p, q in zip(*runs):
             assert torch.equal(p, q), f"{sharding} {optimizer}: a 1-D mesh trained otherwise"
+
+
+@case(4)
+def case_a_param_used_by_one_replica_only_is_stepped_by_every_rank(rank, ws):
+    """Ranks 2 and 3 (the second replica) skip ``mix``: the ranks agree over the whole mesh
+    that it was used, so every replica steps it alike, as one process on the global batch
+    (rows of the second replica's half without ``mix``)."""
+    import torch.nn.functional as F
+
+    def loss(module, idx, tgt, skip):
+        return F.cross_entropy(module(idx, skip_mix=skip).reshape(-1, VOCAB), tgt.reshape(-1))
+
+    for sharding in ("none", "zero1"):
+        model, opt = aligndp.parallelize(
+            make_net(), sharding=sharding, mesh=mesh(2, 2), lr=1e-2, bucket_numel=150
+        )
+        ref = make_net()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        idx, tgt = batch(0, rank, ws, rows=ROWS)
+        loss(model, idx, tgt, rank >= 2).backward()
+        opt.step()
+        for r in range(ws):  # the mean over ranks of each rank's loss
+            (loss(ref, *batch(0, r, ws, rows=ROWS), r >= 2) / ws).backward()
+        ref_opt.step()
+        assert_replicas_identical(model.module, sharding)
+        rel = order_tolerance(terms=ROWS * TOKENS, gain=ADAMW_GAIN)
+        assert_params_match(model.module, ref, f"{sharding}, mix used by one replica", rel)
 
 
 # ---- bytes across replicas ----
