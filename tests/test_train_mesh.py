@@ -29,7 +29,9 @@ RUN = [
     *("--steps", str(STEPS), "--batch-size", "8", "--eval-every", str(CHECKPOINT)),
     *("--seed", "3", "--sharding", "zero1", "--checkpoint-every", str(CHECKPOINT)),
 ]
-LOSS_REL = order_tolerance(terms=8 * 64, steps=STEPS - CHECKPOINT, gain=ADAMW_GAIN, cancelling=False)
+LOSS_REL = order_tolerance(
+    terms=8 * 64, steps=STEPS - CHECKPOINT, gain=ADAMW_GAIN, cancelling=False
+)
 """The resumed steps differ from the uninterrupted ones only in the order of the gradient
 mean's fp32 sums (a 2 x 2 mesh sums in pairs, a flat group of 4 in its ring's order); the
 longest sums are the weight gradients' 8 rows x 64 tokens (tests/models.py [Tolerances])."""
@@ -68,7 +70,7 @@ def _torchrun_two_nodes(args: list[str], out) -> list[subprocess.CompletedProces
     ]
     results = []
     try:
-        for node, proc in enumerate(nodes):
+        for proc in nodes:
             stdout, stderr = proc.communicate(timeout=300)
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     finally:
@@ -119,7 +121,8 @@ def test_resume_on_a_flat_group_of_four_logs_the_same_losses(two_nodes, tmp_path
     interrupted_copy(run, tmp_path, checkpoint_step=CHECKPOINT, last_logged_step=4)
     args = [*RUN, "--nproc", "4", "--replicas", "1", "--resume", "--out", str(tmp_path)]
     assert cli.main(["train", *args]) == 0
-    expected, resumed = read_metrics(run / "metrics.jsonl"), read_metrics(tmp_path / "metrics.jsonl")
+    expected = read_metrics(run / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(STEPS))
     assert resumed[:CHECKPOINT] == expected[:CHECKPOINT]
     losses = [r["loss"] for r in resumed[CHECKPOINT:]]
