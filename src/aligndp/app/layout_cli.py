@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn as nn
 
-from aligndp.app.train_config import describe_mesh
+from aligndp.app.train_config import check_replicas, describe_mesh
 from aligndp.lowp.recipes import recipe_names
 from aligndp.optim.registry import known_optimizers, whole_matrix_spec
 from aligndp.parallelize import plan_request
@@ -172,12 +172,9 @@ class LayoutOptions:
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
-        if self.replicas < 1 or self.dp_size % self.replicas:
-            divisors = [d for d in range(1, self.dp_size + 1) if self.dp_size % d == 0]
-            raise ValueError(
-                f"--replicas {self.replicas} does not split --dp {self.dp_size} ranks (the world "
-                f"size) into equal replicas; use one of {', '.join(map(str, divisors))}"
-            )
+        check_replicas(
+            self.replicas, self.dp_size, ranks=f"--dp {self.dp_size} ranks (the world size)"
+        )
         check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
 
     def request(self) -> PlanRequest:

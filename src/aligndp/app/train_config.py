@@ -18,7 +18,7 @@ from typing import Literal
 from aligndp.lowp.recipes import recipe_names
 from aligndp.models.gpt import PRESETS
 
-__all__ = ["TrainConfig", "add_arguments", "config_from_args", "describe_mesh"]
+__all__ = ["TrainConfig", "add_arguments", "check_replicas", "config_from_args", "describe_mesh"]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
@@ -128,13 +128,11 @@ class TrainConfig:
                     f"--{_flag(field.name)} {getattr(self, field.name)!r} is not one of "
                     f"{', '.join(choices)}"
                 )
-        if self.nproc % self.replicas:
-            divisors = [d for d in range(1, self.nproc + 1) if self.nproc % d == 0]
-            raise ValueError(
-                f"--replicas {self.replicas} does not split the {self.nproc} ranks (--nproc, or "
-                f"torchrun's world size) into equal replicas; use one of "
-                f"{', '.join(map(str, divisors))}"
-            )
+        check_replicas(
+            self.replicas,
+            self.nproc,
+            ranks=f"the {self.nproc} ranks (--nproc, or torchrun's world size)",
+        )
         parts = self.nproc * self.micro_batches
         if self.batch_size % parts:
             raise ValueError(
@@ -220,6 +218,18 @@ def config_from_args(args: argparse.Namespace, *, world_size: int | None = None)
     if world_size is not None:
         values["nproc"] = world_size
     return TrainConfig(**values)
+
+
+def check_replicas(replicas: int, world_size: int, *, ranks: str) -> None:
+    """Refuse (one-line ValueError) a ``--replicas`` that does not split ``world_size`` ranks,
+    called ``ranks`` in the message, into equal replicas, naming the counts that would."""
+    if replicas >= 1 and world_size % replicas == 0:
+        return
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    raise ValueError(
+        f"--replicas {replicas} does not split {ranks} into equal replicas; use one of "
+        f"{', '.join(map(str, divisors))}"
+    )
 
 
 def describe_mesh(replicas: int, world_size: int) -> str:
