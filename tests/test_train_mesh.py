@@ -17,12 +17,16 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 import aligndp
 from aligndp.app import cli
 from aligndp.app.train_report import read_metrics
 from tests.models import ADAMW_GAIN, interrupted_copy, order_tolerance
 
+pytestmark = pytest.mark.skipif(
+    not dist.is_available(), reason="torch built without torch.distributed (no torchrun)"
+)
 STEPS = 6
 CHECKPOINT = 3
 RUN = [
