@@ -11,11 +11,13 @@ not fit the job is refused on every rank with one line.
 from __future__ import annotations
 
 import contextlib
+import math
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import aligndp
@@ -381,6 +383,12 @@ def case_checkpoints_reshard_from_and_to_a_mesh(rank, ws):
     with fp32_newton_schulz():
         for kind in KINDS:
             saved = save_on({"mesh": mesh(2, 2)}, "2x2", kind)
+            meta = dcp.FileSystemReader(ckpt(f"mesh-2x2-{kind}")).read_metadata()
+            for key, tensor in meta.state_dict_metadata.items():
+                chunks = getattr(tensor, "chunks", None)
+                if chunks is not None:  # replicas write the same chunks: DCP keeps one each
+                    written = sum(math.prod(c.sizes) for c in chunks)
+                    assert written == math.prod(tensor.size), f"{key}: {written} elements written"
             targets = [{"mesh": mesh(1, 4)}, {"mesh": mesh(4, 1)}, {}, flat(0, 1, 2)]
             resume_everywhere(ckpt(f"mesh-2x2-{kind}"), kind, saved, targets)
             for name, where in (("flat4", {}), ("4x1", {"mesh": mesh(4, 1)})):
