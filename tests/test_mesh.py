@@ -110,6 +110,7 @@ def train_against_one_process(
     optimizer: str = "adamw",
     micro: int = 1,
     sync_each: bool = False,
+    **kwargs,
 ) -> None:
     """STEPS steps on ``m`` against one process on the global batch, every step; replicas
     bit-identical after each. ``micro`` micro-batches per step, under ``no_sync()`` but the
@@ -125,6 +126,7 @@ def train_against_one_process(
         bucket_numel=150,
         max_grad_norm=0.5,
         **({"adamw_lr": 1e-2} if muon else {}),
+        **kwargs,
     )
     ref = factory()
     named = dict(ref.named_parameters())
@@ -171,7 +173,17 @@ def case_every_mode_matches_one_process_on_every_mesh(rank, ws):
         if ws == 4:  # reopening adds nothing that the shape changes
             train_against_one_process(rank, ws, m, sharding="zero1", micro=2, sync_each=True)
         with fp32_newton_schulz():
-            train_against_one_process(rank, ws, m, sharding="zero1", optimizer="muon")
+            train_against_one_process(
+                rank, ws, m, sharding="zero1", optimizer="muon", overlap_param_gather=True
+            )
+
+
+@case(4)
+def case_shard_dim_first_with_torchtitan_names(rank, ws):
+    """Shard groups {0, 2} and {1, 3}: nothing assumes rank = replica * S + shard."""
+    m = mesh(2, 2, names=("dp_shard", "dp_replicate"))
+    assert dist.get_process_group_ranks(m.get_group("dp_shard")) == [rank % 2, rank % 2 + 2]
+    train_against_one_process(rank, ws, m, sharding="zero1", micro=2)
 
 
 @case(4)
