@@ -11,11 +11,13 @@ not fit the job is refused on every rank with one line.
 from __future__ import annotations
 
 import contextlib
+import math
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import aligndp
@@ -108,6 +110,7 @@ def train_against_one_process(
     optimizer: str = "adamw",
     micro: int = 1,
     sync_each: bool = False,
+    **kwargs,
 ) -> None:
     """STEPS steps on ``m`` against one process on the global batch, every step; replicas
     bit-identical after each. ``micro`` micro-batches per step, under ``no_sync()`` but the
@@ -123,6 +126,7 @@ def train_against_one_process(
         bucket_numel=150,
         max_grad_norm=0.5,
         **({"adamw_lr": 1e-2} if muon else {}),
+        **kwargs,
     )
     ref = factory()
     named = dict(ref.named_parameters())
@@ -169,7 +173,17 @@ def case_every_mode_matches_one_process_on_every_mesh(rank, ws):
         if ws == 4:  # reopening adds nothing that the shape changes
             train_against_one_process(rank, ws, m, sharding="zero1", micro=2, sync_each=True)
         with fp32_newton_schulz():
-            train_against_one_process(rank, ws, m, sharding="zero1", optimizer="muon")
+            train_against_one_process(
+                rank, ws, m, sharding="zero1", optimizer="muon", overlap_param_gather=True
+            )
+
+
+@case(4)
+def case_shard_dim_first_with_torchtitan_names(rank, ws):
+    """Shard groups {0, 2} and {1, 3}: nothing assumes rank = replica * S + shard."""
+    m = mesh(2, 2, names=("dp_shard", "dp_replicate"))
+    assert dist.get_process_group_ranks(m.get_group("dp_shard")) == [rank % 2, rank % 2 + 2]
+    train_against_one_process(rank, ws, m, sharding="zero1", micro=2)
 
 
 @case(4)
@@ -381,6 +395,12 @@ def case_checkpoints_reshard_from_and_to_a_mesh(rank, ws):
     with fp32_newton_schulz():
         for kind in KINDS:
             saved = save_on({"mesh": mesh(2, 2)}, "2x2", kind)
+            meta = dcp.FileSystemReader(ckpt(f"mesh-2x2-{kind}")).read_metadata()
+            for key, tensor in meta.state_dict_metadata.items():
+                chunks = getattr(tensor, "chunks", None)
+                if chunks is not None:  # replicas write the same chunks: DCP keeps one each
+                    written = sum(math.prod(c.sizes) for c in chunks)
+                    assert written == math.prod(tensor.size), f"{key}: {written} elements written"
             targets = [{"mesh": mesh(1, 4)}, {"mesh": mesh(4, 1)}, {}, flat(0, 1, 2)]
             resume_everywhere(ckpt(f"mesh-2x2-{kind}"), kind, saved, targets)
             for name, where in (("flat4", {}), ("4x1", {"mesh": mesh(4, 1)})):
