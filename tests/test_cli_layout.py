@@ -116,8 +116,8 @@ def test_replicas_plan_for_the_shard_group(capsys):
     ]
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
     assert out.startswith(
-        "mesh: 2 replicas x 4 shards (8 ranks): each replica's 4 ranks shard the buffers "
-        "below; the 2 replicas hold identical layouts\n"
+        "mesh: 8 ranks (2 replicas x 4 shards): the buffers below are planned for one "
+        "replica's 4 ranks (its shard group); the 2 replicas hold identical layouts\n"
     )
     assert "dp_size=4" in out
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--json")

@@ -203,9 +203,9 @@ class LayoutOptions:
         if self.replicas == 1:
             return ""
         return (
-            f"mesh: {describe_mesh(self.replicas, self.dp_size)} ({self.dp_size} ranks): each "
-            f"replica's {self.shard_size} ranks shard the buffers below; the {self.replicas} "
-            "replicas hold identical layouts"
+            f"mesh: {self.dp_size} ranks{describe_mesh(self.replicas, self.dp_size)}: the "
+            f"buffers below are planned for one replica's {self.shard_size} ranks (its shard "
+            f"group); the {self.replicas} replicas hold identical layouts"
         )
 
     def plan(self) -> list[BufferLayout]:

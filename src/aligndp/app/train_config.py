@@ -233,8 +233,9 @@ def check_replicas(replicas: int, world_size: int, *, ranks: str) -> None:
 
 
 def describe_mesh(replicas: int, world_size: int) -> str:
-    """``"2 replicas x 2 shards"`` for 4 ranks in 2 replicas; ``"flat"`` for one replica."""
+    """``" (2 replicas x 2 shards)"`` for 4 ranks in 2 replicas, to follow a rank count;
+    ``""`` for one replica (the flat group, whose output stays as it was)."""
     if replicas == 1:
-        return "flat"
+        return ""
     shards = world_size // replicas
-    return f"{replicas} replicas x {shards} shard{'s' if shards > 1 else ''}"
+    return f" ({replicas} replicas x {shards} shard{'s' if shards > 1 else ''})"

@@ -377,7 +377,7 @@ def _print_header(job: _Job, start_step: int) -> None:
     resumed = f", resuming at step {start_step}" if start_step else ""
     print(
         f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} "
-        f"rank(s) ({describe_mesh(job.replicas, job.dp_size)}), {config.optimizer}, sharding "
+        f"rank(s){describe_mesh(job.replicas, job.dp_size)}, {config.optimizer}, sharding "
         f"{config.sharding}; global batch "
         f"{config.batch_size} x {cfg.seq_len} tokens in {config.micro_batches} micro-batch(es); "
         f"data: {job.data.name} ({len(job.data):,} tokens); {config.steps} steps{resumed}",

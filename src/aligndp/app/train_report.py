@@ -157,8 +157,8 @@ class Summary:
         )
         if self.start_step < self.steps:
             trained = (
-                f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s) "
-                f"({describe_mesh(self.replicas, self.dp_size)}) in {self.wall_s:.1f} s"
+                f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s)"
+                f"{describe_mesh(self.replicas, self.dp_size)} in {self.wall_s:.1f} s"
             )
         else:
             trained = (
