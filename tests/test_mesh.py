@@ -90,6 +90,12 @@ def case_meshes_that_do_not_fit_are_refused_on_every_rank(rank, ws):
         assert words in one_line(info.value), (kwargs, info.value)
         with pytest.raises(error):
             DataParallel(net, **kwargs)
+    for replicas in (3, 0, 8):
+        with pytest.raises(ValueError) as info:
+            aligndp.replica_mesh(replicas, "cpu")
+        assert str(replicas) in one_line(info.value)
+    built = aligndp.replica_mesh(2, "cpu")
+    assert built.mesh_dim_names == ("replicate", "shard") and tuple(built.shape) == (2, 2)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     model, _ = aligndp.parallelize(net, mesh=mesh(2, 2))

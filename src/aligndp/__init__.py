@@ -17,6 +17,7 @@ from aligndp.plan.spec import Mode, ParamSpec, Requirement
 from aligndp.plan.validate import validate
 from aligndp.runtime.collective_backends import register_collectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
+from aligndp.runtime.mesh import replica_mesh
 from aligndp.state.checkpoint import load, save
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "register_collectives",
     "register_recipe",
     "register_whole_matrix",
+    "replica_mesh",
     "route_params",
     "load",
     "save",

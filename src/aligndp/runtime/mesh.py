@@ -51,6 +51,7 @@ __all__ = [
     "DataParallelGroups",
     "MeshCollectives",
     "data_parallel_groups",
+    "replica_mesh",
 ]
 
 REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
@@ -118,6 +119,24 @@ def data_parallel_groups(
     replicas = mesh.size(list(names).index(rep[0]))
     replicate = mesh.get_group(rep[0]) if replicas > 1 else None
     return DataParallelGroups(None, mesh.get_group(shard[0]), replicate, replicas)
+
+
+def replica_mesh(replicas: int, device_type: str = "cuda") -> object:
+    """The ``(replicas, world / replicas)`` mesh over every rank, dims named
+    ``("replicate", "shard")`` (what ``aligndp train --replicas R`` needs); a collective. A
+    ``replicas`` that does not divide the number of ranks is refused on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+    if world % replicas:
+        raise ValueError(
+            f"{replicas} replicas do not divide the {world} ranks: pick a divisor of {world} "
+            f"(each replica shards over {world} / replicas ranks)"
+        )
+    shape = (replicas, world // replicas)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 class _ReplicaChain:
