@@ -5,7 +5,7 @@ ranks that it starts itself through torch's elastic launcher. Inside a process s
 ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it trains on that process group instead:
 ``torchrun --nproc-per-node 8 -m aligndp train --device cuda`` uses NCCL, and on several
 nodes ``--replicas R`` shards inside each of R replicas (a node's ranks) and replicates across
-them (``train_loop.data_parallel_mesh``).
+them (``aligndp.replica_mesh``).
 
 The options are the fields of :class:`TrainConfig`; the argparse flags are generated from it
 (the field docstrings are the help texts). The loop itself lives in ``train_loop.py``, the

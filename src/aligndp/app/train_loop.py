@@ -43,7 +43,6 @@ __all__ = [
     "latest_checkpoint",
     "lr_factor",
     "wgrad_backend",
-    "data_parallel_mesh",
     "EVAL_BATCHES",
 ]
 
@@ -217,33 +216,21 @@ def _setup(config: TrainConfig) -> _Job:
             convert_to_mxfp8(module, backend=backend, layers=config.wgrad_layers)
         if rank == 0:
             print(describe_plan(config.wgrad, plan), flush=True)
+    # --replicas: a (R, world / R) mesh, row-major, so a replica is consecutive ranks (one node
+    # under torchrun); one replica passes no mesh, so the flat path stays as it was
+    mesh = aligndp.replica_mesh(config.replicas, device.type) if config.replicas > 1 else None
     model, optimizer = aligndp.parallelize(
         module,
         optimizer=config.optimizer,
         sharding=config.sharding,
         lr=config.lr,
         wgrad=config.wgrad,
-        mesh=data_parallel_mesh(config.replicas, dp_size, device),
+        mesh=mesh,
     )
     if config.compile:
         compile_blocks(module)
     peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
     return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
-
-
-def data_parallel_mesh(replicas: int, world_size: int, device: torch.device):
-    """``--replicas``: the ``(replicas, world / replicas)`` DeviceMesh named ``("replicate",
-    "shard")`` over every rank (row-major, so a replica is consecutive ranks: one node under
-    torchrun); None for one replica, which keeps the flat path as it was (no mesh, the default
-    group). Building it is a collective: every rank calls it."""
-    if replicas == 1:
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert world_size % replicas == 0, (world_size, replicas)  # TrainConfig checked it
-    return init_device_mesh(
-        device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
-    )
 
 
 def compile_blocks(module: GPT, backend: str = "inductor") -> None:
