@@ -55,6 +55,7 @@ MAY_CHANGE_ON_RESUME = (
     "micro_batches",
     "sharding",
     "nproc",
+    "replicas",
     "device",
     "eval_every",
     "checkpoint_dir",

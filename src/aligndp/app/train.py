@@ -57,6 +57,11 @@ def preflight(config: TrainConfig) -> None:
 
     cfg = PRESETS[config.preset]
     BatchSpec(config.batch_size, cfg.seq_len, config.nproc, config.micro_batches)
+    if config.nproc % config.replicas:
+        raise ValueError(
+            f"--replicas {config.replicas} does not divide the {config.nproc} ranks: pick a "
+            f"divisor of {config.nproc}"
+        )
     load_data(config).check(seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     wgrad_backend(config)  # raises for a recipe with no backend on --device
     if config.compile:

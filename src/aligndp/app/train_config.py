@@ -57,6 +57,9 @@ class TrainConfig:
     """Seeds the model's initialisation and the order of the data."""
     nproc: int = 2
     """Ranks to launch on this machine (ignored inside torchrun, which sets the world size)."""
+    replicas: int = 1
+    """Replicas of the job on a (replicas, ranks / replicas) mesh: zero1 shards inside each
+    replica and all-reduces the owned shards across them (a divisor of the ranks)."""
     device: Device = "cpu"
     """cpu trains on gloo ranks; cuda on NCCL ranks, one GPU each."""
     dtype: Dtype = "fp32"
@@ -98,6 +101,7 @@ class TrainConfig:
             ("batch_size", 1),
             ("micro_batches", 1),
             ("nproc", 1),
+            ("replicas", 1),
             ("eval_every", 0),
             ("checkpoint_every", 0),
             ("keep_last", 0),

@@ -211,12 +211,14 @@ def _setup(config: TrainConfig) -> _Job:
             convert_to_mxfp8(module, backend=backend, layers=config.wgrad_layers)
         if rank == 0:
             print(describe_plan(config.wgrad, plan), flush=True)
+    mesh = aligndp.replica_mesh(config.replicas, device.type) if config.replicas > 1 else None
     model, optimizer = aligndp.parallelize(
         module,
         optimizer=config.optimizer,
         sharding=config.sharding,
         lr=config.lr,
         wgrad=config.wgrad,
+        mesh=mesh,
     )
     if config.compile:
         compile_blocks(module)
@@ -352,9 +354,11 @@ def _print_header(job: _Job, start_step: int) -> None:
     numel = sum(p.numel() for p in job.model.module.parameters())
     backend = dist.get_backend()
     resumed = f", resuming at step {start_step}" if start_step else ""
+    replicas = config.replicas
+    mesh = f" ({replicas} replicas x {job.dp_size // replicas})" if replicas > 1 else ""
     print(
         f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} "
-        f"rank(s), {config.optimizer}, sharding {config.sharding}; global batch "
+        f"rank(s){mesh}, {config.optimizer}, sharding {config.sharding}; global batch "
         f"{config.batch_size} x {cfg.seq_len} tokens in {config.micro_batches} micro-batch(es); "
         f"data: {job.data.name} ({len(job.data):,} tokens); {config.steps} steps{resumed}",
         flush=True,
