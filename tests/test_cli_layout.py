@@ -40,6 +40,7 @@ def test_flags_are_pinned():
         "--preset",
         "--shapes",
         "--dp",
+        "--replicas",
         "--mode",
         "--optimizer",
         "--wgrad",
@@ -198,6 +199,7 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         ([], r"exactly one of --preset or --shapes \(neither given\)"),
         (["--preset", "gpt5"], r"unknown preset 'gpt5'.*gpt2-small"),
         (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
+        (["--shapes", "4", "--dp", "8", "--replicas", "3"], r"--replicas 3 does not divide --dp 8"),
         (
             ["--shapes", "4", "--bucket-numel", "0"],
             r"--bucket-numel must be a positive number.*leave it out",
@@ -352,3 +354,20 @@ def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
             capsys, "--preset", "1b", "--wgrad", "fp8-tensor", "--capability", "cpu"
         )
     assert "converts 0 of 65 Linear layers (none)" in out
+
+
+def test_replicas_plan_each_replica_over_its_shard_group(capsys):
+    """--dp 8 --replicas 2 is the --dp 4 plan, plus the bytes each rank sends across the
+    replicas: its owned shard of every sharded bucket (4 ranks share 3 buckets here)."""
+    shapes = ["--shapes", "40x30,30,50x40", "--mode", "sharded", "--bucket-numel", "1000"]
+    _, mesh_json, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
+    _, flat_json, _ = layout_main(capsys, *shapes, "--dp", "4", "--json")
+    assert mesh_json == flat_json
+    buckets = json.loads(flat_json)["buffers"][0]["buckets"]
+    padded = sum(b["end"] - b["start"] for b in buckets)
+    assert len(buckets) > 1 and padded % 4 == 0
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
+    assert code == 0
+    shard_bytes = padded // 4 * 4  # fp32
+    assert "mesh: 2 replicas x 4 shards, each replica planned as above" in out
+    assert f"each rank all-reduces {shard_bytes:,} bytes of owned shards" in out

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas of the sharded job (a --replicas x dp/replicas mesh, as aligndp train "
+        "--replicas): the plan is each replica's, over dp/replicas ranks (default 1)",
+    )
+    parser.add_argument(
         "--mode",
         choices=[m.value for m in Mode],
         default=Mode.REPLICATED.value,
@@ -124,7 +131,10 @@ class LayoutOptions:
     model: nn.Module
     """The params to plan, on the meta device (a preset or ``--shapes``), in the param dtype."""
     dp_size: int = 1
-    """Data-parallel ranks the buffers are sharded over."""
+    """Data-parallel ranks, every replica's together."""
+    replicas: int = 1
+    """Replicas of the sharded job ([Note: replicate x shard mesh] in aligndp/runtime/mesh.py):
+    the buffers are sharded over ``dp_size / replicas`` ranks, the same in every replica."""
     mode: Mode = Mode.REPLICATED
     """replicated: ``sharding="none"``; sharded / layerwise: ``sharding="zero1"`` (layerwise
     without a whole-matrix optimizer: every param in a layer-wise buffer)."""
@@ -150,6 +160,11 @@ class LayoutOptions:
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
+        if self.replicas < 1 or self.dp_size % self.replicas:
+            raise ValueError(
+                f"--replicas {self.replicas} does not divide --dp {self.dp_size}: pick a "
+                f"divisor of {self.dp_size}"
+            )
         check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
 
     def request(self) -> PlanRequest:
@@ -158,7 +173,7 @@ class LayoutOptions:
             self.model,
             optimizer=self.optimizer,
             sharding="none" if self.mode is Mode.REPLICATED else "zero1",
-            dp_size=self.dp_size,
+            dp_size=self.dp_size // self.replicas,
             bucket_numel=self.bucket_numel,
             wgrad=self.wgrad,
             grad_dtype=self.grad_dtype,
@@ -246,6 +261,7 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
     return LayoutOptions(
         model=model,
         dp_size=args.dp,
+        replicas=args.replicas,
         mode=Mode.parse(args.mode),
         optimizer=args.optimizer,
         wgrad=args.wgrad,
@@ -292,6 +308,21 @@ def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
     return "\n".join(lines)
 
 
+def replicas_line(layouts: list[BufferLayout], replicas: int) -> str:
+    """What a mesh adds: each rank all-reduces its owned shards across the replicas once per
+    step."""
+    shard = layouts[0].dp_size if layouts else 1
+    owned = sum(
+        sum(b.end - b.start for b in lo.buckets) // lo.dp_size * lo.grad_dtype.itemsize
+        for lo in layouts
+        if lo.mode is not Mode.REPLICATED
+    )
+    return (
+        f"mesh: {replicas} replicas x {shard} shards, each replica planned as above; each rank "
+        f"all-reduces {owned:,} bytes of owned shards across the replicas per step"
+    )
+
+
 def _png_path(path: str) -> str:
     """The file ``--png`` writes (matplotlib adds ``.png`` to a name without a suffix), checked
     before planning so that a bad path is one line, not a traceback after the work."""
@@ -327,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
             f"({percent:.3f}% padding) in {len(layouts)} buffer(s), "
             f"{sum(len(layout.buckets) for layout in layouts)} bucket(s)"
         )
+        if options.replicas > 1:
+            print(replicas_line(layouts, options.replicas))
         conversion = options.conversion()
         if conversion:
             print(conversion)
