@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aligndp
+from aligndp.plan.spec import Mode
 from aligndp.runtime.collective_backends import register_collectives
 from aligndp.runtime.collectives import TorchCollectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
@@ -250,6 +251,46 @@ def case_unused_param_after_zero_grad_reads_zero(rank, ws):
         main_grad = ours.module.fc1.weight.main_grad.float()
         assert_close(main_grad, net.fc1.weight.grad, f"fc1.weight {grad_dtype}", GRAD_REL)
         ours.remove_hooks()
+
+
+@case(2)
+def case_reduced_grads_view_holds_owned_slices_and_goes_stale(rank, ws):
+    """[Note: reduced grads view]: finish_grad_sync() returns one read-only view: each param's
+    owned elements are the one-process global-batch gradient cut at this rank's piece (all of
+    it when replicated), a param no rank used has none, and once the epoch moves (zero_grad,
+    a new reduction, a forward that reopens) every read raises."""
+    sharded = {n: Mode.SHARDED for n, _ in make_net().named_parameters() if n.startswith("fc")}
+    ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200), modes=sharded)
+    assert any(s.owned is not None and 0 < s.owned.numel for s in ours.index.slots.values())
+    idx, tgt = batch(1, rank, ws)
+    F.cross_entropy(ours(idx, skip_mix=True).reshape(-1, VOCAB), tgt.reshape(-1)).backward()
+    grads = ours.finish_grad_sync()
+    assert ours.finish_grad_sync() is grads, "a second call reduces nothing: the same view"
+    net = make_net()
+    F.cross_entropy(
+        net(batch(1)[0], skip_mix=True).reshape(-1, VOCAB), batch(1)[1].reshape(-1)
+    ).backward()
+    ref = dict(net.named_parameters())
+    for n, p in ours.module.named_parameters():
+        if n.startswith("mix"):
+            assert not grads.has_grad(p), n
+            continue
+        assert grads.has_grad(p), n
+        piece = ours.index.slots[p].owned
+        lo, hi = (0, p.numel()) if piece is None else (piece.lo, piece.hi)
+        assert_close(grads.owned(p), ref[n].grad.reshape(-1)[lo:hi], n, GRAD_REL)
+    weight = ours.module.fc1.weight
+    ours.zero_grad()
+    for read in (grads.has_grad, grads.view, grads.owned):
+        with pytest.raises(RuntimeError, match="stale"):
+            read(weight)
+    loss_of(ours, *batch(0, rank, ws)).backward()
+    fresh = ours.finish_grad_sync()
+    assert all(fresh.has_grad(p) for p in ours.module.parameters())
+    ours(idx)  # a forward with grad reopens the reduced buffers
+    with pytest.raises(RuntimeError, match="stale"):
+        fresh.owned(weight)
+    ours.remove_hooks()
 
 
 @case(2)
