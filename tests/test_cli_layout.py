@@ -115,10 +115,10 @@ def test_replicas_plan_for_the_shard_group(capsys):
         (p.name, p.start, p.owner) for p in expected.params
     ]
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
-    assert out.startswith(
-        "mesh: 8 ranks (2 replicas x 4 shards): the buffers below are planned for one "
-        "replica's 4 ranks (its shard group); the 2 replicas hold identical layouts\n"
-    )
+    assert (
+        "mesh: 8 ranks (2 replicas x 4 shards): every replica holds the plan above, made for "
+        "its 4 ranks (its shard group); each rank all-reduces "
+    ) in out
     assert "dp_size=4" in out
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--json")
     assert json.loads(out)["mesh"] == {"replicas": 1, "shards": 8}
@@ -385,3 +385,20 @@ def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
             capsys, "--preset", "1b", "--wgrad", "fp8-tensor", "--capability", "cpu"
         )
     assert "converts 0 of 65 Linear layers (none)" in out
+
+
+def test_replicas_plan_each_replica_over_its_shard_group(capsys):
+    """--dp 8 --replicas 2 is the --dp 4 plan, plus the bytes each rank sends across the
+    replicas: its owned shard of every sharded bucket (4 ranks share 3 buckets here)."""
+    shapes = ["--shapes", "40x30,30,50x40", "--mode", "sharded", "--bucket-numel", "1000"]
+    _, mesh_json, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
+    _, flat_json, _ = layout_main(capsys, *shapes, "--dp", "4", "--json")
+    assert json.loads(mesh_json)["buffers"] == json.loads(flat_json)["buffers"]
+    buckets = json.loads(flat_json)["buffers"][0]["buckets"]
+    padded = sum(b["end"] - b["start"] for b in buckets)
+    assert len(buckets) > 1 and padded % 4 == 0
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
+    assert code == 0
+    shard_bytes = padded // 4 * 4  # fp32
+    assert "mesh: 8 ranks (2 replicas x 4 shards): every replica holds the plan above" in out
+    assert f"each rank all-reduces {shard_bytes:,} bytes of owned shards" in out

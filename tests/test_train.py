@@ -123,6 +123,19 @@ def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
     assert json.loads((tmp_path / "summary.json").read_text())["start_step"] == 10
 
 
+def test_resume_on_a_replicated_mesh(two_ranks, tmp_path, capfd):
+    """The flat 2-rank run resumes on 4 ranks as 2 replicas x 2 shards with zero1 (the
+    checkpoint resharded onto a mesh): the losses of the uninterrupted run up to fp32
+    summation order."""
+    interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
+    mesh = ["--nproc", "4", "--replicas", "2", "--sharding", "zero1"]
+    assert _train([*COMMON, *mesh, "--resume"], tmp_path) == 0
+    assert "on 4 gloo rank(s) (2 replicas x 2 shards)" in capfd.readouterr().out
+    losses = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")[10:]]
+    reference = [r["loss"] for r in read_metrics(two_ranks / "metrics.jsonl")[10:]]
+    assert losses == pytest.approx(reference, rel=LOSS_REL)
+
+
 def _error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

@@ -198,16 +198,6 @@ class LayoutOptions:
         """Ranks one replica shards over: the plan's ``dp_size``, as the run's shard group."""
         return self.dp_size // self.replicas
 
-    def mesh(self) -> str:
-        """The line naming the mesh ("" for one replica: the flat group)."""
-        if self.replicas == 1:
-            return ""
-        return (
-            f"mesh: {self.dp_size} ranks{describe_mesh(self.replicas, self.dp_size)}: the "
-            f"buffers below are planned for one replica's {self.shard_size} ranks (its shard "
-            f"group); the {self.replicas} replicas hold identical layouts"
-        )
-
     def plan(self) -> list[BufferLayout]:
         return plan_buffers(self.request())
 
@@ -333,6 +323,22 @@ def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
     return "\n".join(lines)
 
 
+def replicas_line(layouts: list[BufferLayout], replicas: int) -> str:
+    """What a mesh adds: the plan above is each replica's (identical in all of them), and each
+    rank all-reduces its owned shards across the replicas once per step."""
+    shard = layouts[0].dp_size if layouts else 1
+    owned = sum(
+        sum(b.end - b.start for b in lo.buckets) // lo.dp_size * lo.grad_dtype.itemsize
+        for lo in layouts
+        if lo.mode is not Mode.REPLICATED
+    )
+    return (
+        f"mesh: {shard * replicas} ranks{describe_mesh(replicas, shard * replicas)}: every "
+        f"replica holds the plan above, made for its {shard} ranks (its shard group); each rank "
+        f"all-reduces {owned:,} bytes of owned shards across the replicas per step"
+    )
+
+
 def _png_path(path: str) -> str:
     """The file ``--png`` writes (matplotlib adds ``.png`` to a name without a suffix), checked
     before planning so that a bad path is one line, not a traceback after the work."""
@@ -357,8 +363,6 @@ def run(args: argparse.Namespace) -> int:
         mesh = {"replicas": options.replicas, "shards": options.shard_size}
         print(json.dumps({"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}))
     else:
-        if options.mesh():
-            print(options.mesh())
         for layout in layouts:
             print(layout)
             extra = summary(layout, asked_alignment=options.start_alignment)
@@ -371,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
             f"({percent:.3f}% padding) in {len(layouts)} buffer(s), "
             f"{sum(len(layout.buckets) for layout in layouts)} bucket(s)"
         )
+        if options.replicas > 1:
+            print(replicas_line(layouts, options.replicas))
         conversion = options.conversion()
         if conversion:
             print(conversion)
