@@ -100,24 +100,28 @@ def test_json_matches_plan_layout(capsys):
 
 def test_replicas_plan_for_the_shard_group(capsys):
     """--dp 8 --replicas 2: 2 replicas of 4 ranks; the buffers are planned for the 4 ranks
-    that shard them (the run's shard group), not for all 8 — at dp 8 this buffer pads to
-    4,096 elements, at dp 4 to 3,584."""
-    shapes = ["--shapes", "100x30,7,50x3", "--mode", "sharded", "--bucket-numel", "1000"]
+    that shard them (the run's shard group), not for all 8 (at dp 8 this buffer pads to 4,096
+    elements, at dp 4 to 3,584), and each rank sends its owned shard of every sharded bucket
+    across the replicas: 3,584 / 4 fp32 elements."""
+    shapes = ["--shapes", "40x30,30,50x40", "--mode", "sharded", "--bucket-numel", "1000"]
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
     assert code == 0
     doc = json.loads(out)
-    specs = [ParamSpec("p0", (100, 30)), ParamSpec("p1", (7,)), ParamSpec("p2", (50, 3))]
+    specs = [ParamSpec("p0", (40, 30)), ParamSpec("p1", (30,)), ParamSpec("p2", (50, 40))]
     expected = plan_layout(specs, dp_size=4, mode="sharded", bucket_numel=1000)
     assert doc["mesh"] == {"replicas": 2, "shards": 4}
     (buffer,) = doc["buffers"]
     assert buffer["padded_numel"] == expected.padded_numel == 3584
+    assert buffer["buckets"] == [{"start": b.start, "end": b.end} for b in expected.buckets]
+    assert len(expected.buckets) > 1
     assert [(p["name"], p["start"], p["owner"]) for p in buffer["params"]] == [
         (p.name, p.start, p.owner) for p in expected.params
     ]
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
     assert (
         "mesh: 8 ranks (2 replicas x 4 shards): every replica holds the plan above, made for "
-        "its 4 ranks (its shard group); each rank all-reduces "
+        f"its 4 ranks (its shard group); each rank all-reduces {3584 // 4 * 4:,} bytes of owned "
+        "shards across the replicas per step"
     ) in out
     assert "dp_size=4" in out
     code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--json")
@@ -385,20 +389,3 @@ def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
             capsys, "--preset", "1b", "--wgrad", "fp8-tensor", "--capability", "cpu"
         )
     assert "converts 0 of 65 Linear layers (none)" in out
-
-
-def test_replicas_plan_each_replica_over_its_shard_group(capsys):
-    """--dp 8 --replicas 2 is the --dp 4 plan, plus the bytes each rank sends across the
-    replicas: its owned shard of every sharded bucket (4 ranks share 3 buckets here)."""
-    shapes = ["--shapes", "40x30,30,50x40", "--mode", "sharded", "--bucket-numel", "1000"]
-    _, mesh_json, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
-    _, flat_json, _ = layout_main(capsys, *shapes, "--dp", "4", "--json")
-    assert json.loads(mesh_json)["buffers"] == json.loads(flat_json)["buffers"]
-    buckets = json.loads(flat_json)["buffers"][0]["buckets"]
-    padded = sum(b["end"] - b["start"] for b in buckets)
-    assert len(buckets) > 1 and padded % 4 == 0
-    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
-    assert code == 0
-    shard_bytes = padded // 4 * 4  # fp32
-    assert "mesh: 8 ranks (2 replicas x 4 shards): every replica holds the plan above" in out
-    assert f"each rank all-reduces {shard_bytes:,} bytes of owned shards" in out
