@@ -226,7 +226,6 @@ class DataParallel(nn.Module):
             config=config,
             collectives=self._collectives,
             rank=self.world_rank,
-            world_size=self.world_size,
             device=self.device,
             eager_zero=claim_params(self, self.params),
         )
