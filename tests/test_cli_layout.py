@@ -98,8 +98,9 @@ def test_json_matches_plan_layout(capsys):
 
 
 def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
-    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 64^3 + 32^3 = 294,912 and
-    # 4096 + 1024 = 5,120 elements, imbalance exactly 1.
+    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 3·(64^3 + 32^3) = 884,736
+    # (an m x m matrix: m²·(2m + m) per iteration) and 4096 + 1024 = 5,120 elements, imbalance
+    # exactly 1.
     code, out, _ = layout_main(
         capsys,
         "--shapes",
@@ -112,8 +113,8 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
         "muon",  # Newton–Schulz owner cost; without it the cost is the numel
     )
     assert code == 0
-    assert out.count("2.949e+05") == 2 and out.count("5,120") >= 2
-    assert "imbalance (max/mean): cost 1.0000, numel 1.0000" in out
+    assert out.count("8.847e+05") == 2 and out.count("5,120") >= 2
+    assert "NS imbalance max/mean 1.0000 (numel 1.0000), 0 matrices split" in out
     assert "0 padding" in out and "1 bucket(s)" in out
 
 
@@ -288,7 +289,7 @@ def test_python_dash_m_aligndp_layout():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "layerwise buffer" in result.stdout and "imbalance (max/mean)" in result.stdout
+    assert "layerwise buffer" in result.stdout and "owner cost imbalance max/mean" in result.stdout
 
 
 @pytest.mark.parametrize(

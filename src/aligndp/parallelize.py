@@ -92,6 +92,7 @@ def plan_request(
         start_alignment=start_alignment,
         grad_dtype=grad_dtype,
         owner_cost=spec.cost if spec is not None else numel_cost,
+        split=spec.split if spec is not None else None,
     )
     return request, routing
 

@@ -38,6 +38,7 @@ from aligndp.optim.groups import ParamGroup
 from aligndp.optim.sharded import keeps_fp32_master, refresh_master
 from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
+from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.state.model_space import (
@@ -70,6 +71,9 @@ class WholeMatrixSpec:
     """True when ``step()`` may be called once per bucket (state kept per param, as torch's
     optimizers do), so each bucket's all-gather overlaps the next bucket's step; False: one
     ``step()`` over every owned param (e.g. an optimizer counting steps per group)."""
+    split: SplitPolicy | None = None
+    """When one matrix's step is shared by several ranks ([Note: split Newton–Schulz] in
+    plan/split.py; Muon only: aligndp/optim/split_ns.py runs it); None: never."""
 
     def __post_init__(self) -> None:
         if not (
