@@ -23,7 +23,6 @@ import torch
 
 from aligndp.plan.assign import assign_owners, group_layerwise_buckets
 from aligndp.plan.slots import BucketSlot, BufferLayout, ParamSlot
-from aligndp.plan.split import MatrixSplit, SplitPolicy, plan_splits
 from aligndp.plan.spec import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_SHARD_ALIGNMENT,
@@ -37,6 +36,7 @@ from aligndp.plan.spec import (
     numel_cost,
     round_up,
 )
+from aligndp.plan.split import MatrixSplit, SplitPolicy, plan_splits
 from aligndp.plan.validate import validate
 
 __all__ = ["plan_layout"]
@@ -187,7 +187,14 @@ def plan_layout(
                     cost = float(owner_cost(s.shape))
                     slots.append(
                         ParamSlot(
-                            s.name, s.shape, order[i], pos, pos + s.numel, b, rank, cost,
+                            s.name,
+                            s.shape,
+                            order[i],
+                            pos,
+                            pos + s.numel,
+                            b,
+                            rank,
+                            cost,
                             splits.get(i),
                         )
                     )

@@ -19,7 +19,6 @@ import torch
 
 from aligndp.plan.layout import plan_layout
 from aligndp.plan.slots import BufferLayout
-from aligndp.plan.split import SplitPolicy
 from aligndp.plan.spec import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_SHARD_ALIGNMENT,
@@ -32,6 +31,7 @@ from aligndp.plan.spec import (
     check_settings,
     numel_cost,
 )
+from aligndp.plan.split import SplitPolicy
 
 __all__ = ["SHARDINGS", "PlanRequest", "modes_for_sharding", "plan_buffers"]
 

@@ -63,8 +63,9 @@ class SplitPolicy:
         if self.target < 1.0:
             raise ValueError(f"target is a max/mean imbalance, >= 1.0; got {self.target}")
         for field in ("min_cols", "col_multiple", "max_parts"):
-            if not (isinstance(getattr(self, field), int) and getattr(self, field) >= 1):
-                raise ValueError(f"SplitPolicy.{field} must be an int >= 1, got {getattr(self, field)!r}")
+            value = getattr(self, field)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"SplitPolicy.{field} must be an int >= 1, got {value!r}")
         if self.budget is not None and self.budget <= 0:
             raise ValueError(f"budget must be > 0 or None, got {self.budget}")
 
@@ -193,8 +194,9 @@ def plan_splits(
         top = max(range(dp_size), key=lambda r: (loads[r], -r))
         on_top = [(c, i) for i, g in enumerate(groups) for r, c in zip(*g) if r == top]
         # one more part for any matrix on the top rank first; more parts only if none helps
-        tries = [(i, range(len(groups[i][0]) + 1, len(groups[i][0]) + 2)) for i in _by_share(on_top)]
-        tries += [(i, range(len(groups[i][0]) + 2, limit(i) + 1)) for i in _by_share(on_top)]
+        now = {i: len(groups[i][0]) for i in _by_share(on_top)}
+        tries = [(i, range(k + 1, k + 2)) for i, k in now.items()]
+        tries += [(i, range(k + 2, limit(i) + 1)) for i, k in now.items()]
         for i, ks in tries:
             cut = _first_better(i, ks, loads[top])
             if cut is not None:
