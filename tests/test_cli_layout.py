@@ -118,6 +118,27 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
     assert "0 padding" in out and "1 bucket(s)" in out
 
 
+def test_layerwise_muon_shows_split_matrices_and_ns_imbalance(capsys):
+    # p0 1024x4096 costs 1024²·(2·4096 + 1024) = 1024²·9216 per iteration, p1 256x256
+    # 256²·768: whole, p0's owner does 0.995 of the work. Split in 2: 2048 columns (16 units of
+    # 128 each) and 9216/2 - 2·2048 = 512 rows of B per part, 1024²·4608 each; rank 1 also
+    # owns p1: max/mean = (4608·1024² + 768·256²) / ((9216·1024² + 768·256²) / 2) = 1.0052
+    code, out, _ = layout_main(
+        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        "--optimizer", "muon",
+    )  # fmt: skip
+    assert code == 0
+    assert "NS imbalance max/mean 1.0052" in out and "1 matrices split" in out
+    assert "p0 1024x4096: 0:2048 1:2048" in out
+    code, out, _ = layout_main(
+        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        "--optimizer", "muon", "--json",
+    )  # fmt: skip
+    (layerwise,) = json.loads(out)["buffers"]
+    split = {p["name"]: p["split"] for p in layerwise["params"]}
+    assert split == {"p0": {"ranks": [0, 1], "cols": [0, 2048, 4096]}, "p1": None}
+
+
 def test_lowered_alignment_shows_the_effective_one(capsys):
     code, out, _ = layout_main(
         capsys, "--shapes", "97,103", "--wgrad", "mxfp8", "--start-alignment", "1", "--json"

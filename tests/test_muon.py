@@ -468,14 +468,17 @@ def train(model, opt, steps: range) -> None:
     opt.gather.wait_all()
 
 
-def build(sharding: str, bucket_numel: int | None):
+def build(variant: str, bucket_numel: int | None):
+    """``variant``: a sharding, or ``"split"``: zero1 with every matrix's Newton–Schulz shared
+    (FORCED; a split is a run-time detail, the checkpoint the same)."""
     return aligndp.parallelize(
         make_net(TIED),
         optimizer="muon",
-        sharding=sharding,
+        sharding="zero1" if variant == "split" else variant,
         lr=MUON_LR,
         adamw_lr=ADAMW_LR,
         bucket_numel=bucket_numel,
+        split=FORCED if variant == "split" else None,
     )
 
 
@@ -487,8 +490,10 @@ def case_checkpoint_save(rank, ws):
         ref = Reference(TIED)
         for step in range(SAVED_AT):
             ref.step(step)
-        for sharding in ("zero1", "none"):
+        for sharding in ("zero1", "none", "split"):
             model, opt = build(sharding, bucket_numel=150)
+            if sharding == "split":
+                assert_some_matrix_split(model, opt)
             train(model, opt, range(SAVED_AT))
             for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
                 assert rel_error(p, q) <= REL, f"{sharding} dp {ws}: {n} before saving"
@@ -511,13 +516,15 @@ def resume_and_compare(saved_dp: int) -> None:
         ref = Reference(TIED)
         for step in range(STEPS):
             ref.step(step)
-        for saved, sharding in [("zero1", "zero1"), ("none", "zero1"), ("zero1", "none")]:
+        crossed = [("zero1", "zero1"), ("none", "zero1"), ("zero1", "none")]
+        crossed += [("split", "zero1"), ("zero1", "split")]  # momentum stays with the owner
+        for saved, sharding in crossed:
             model, opt = build(sharding, bucket_numel=None if sharding == "zero1" else 150)
             with torch.no_grad():
                 for p in model.module.parameters():
                     p.add_(1.0)
             assert aligndp.load(ckpt(f"muon-{saved}-dp{saved_dp}"), model, opt) == SAVED_AT
-            if sharding == "zero1":
+            if sharding != "none":
                 stepped = [n for n in opt.routing.whole if opt.parts[0].state_of(n)]
                 assert sorted(stepped) == sorted(opt.parts[0].names[i] for i in opt.parts[0].owned)
             train(model, opt, range(SAVED_AT, STEPS))

@@ -52,10 +52,10 @@ def newton_schulz_cost(shape: Sequence[int]) -> float:
 
 
 def newton_schulz_part_cost(shape: Sequence[int], cols: int, rows: int) -> float:
-    """Multiply-adds of one part of a split Newton–Schulz iteration ([Note: split
-    Newton–Schulz] in plan/split.py): its ``cols`` columns' share of ``X Xᵀ`` and ``B X``
-    (m²·cols each) and its ``rows`` rows of ``A·A`` (m²·rows). The parts of a matrix add up to
-    :func:`newton_schulz_cost`: splitting moves flops, it adds none."""
+    """Multiply-adds of one part of a split Newton–Schulz iteration
+    ([Note: split Newton–Schulz] in plan/split.py): its ``cols`` columns' share of ``X Xᵀ``
+    and ``B X`` (m²·cols each) and its ``rows`` rows of ``A·A`` (m²·rows). The parts of a
+    matrix add up to :func:`newton_schulz_cost`: splitting moves flops, it adds none."""
     m, _ = wide(shape)
     return float(m * m * (2 * cols + rows))
 

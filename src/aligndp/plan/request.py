@@ -80,8 +80,9 @@ class PlanRequest:
     """Layerwise mode: ``cost(shape)`` of stepping one whole param (e.g. Muon's Newton–Schulz
     estimate); owners are balanced by it and each slot records its cost."""
     split: SplitPolicy | None = None
-    """Layerwise mode: when a matrix's Newton–Schulz is shared by several ranks ([Note: split
-    Newton–Schulz] in plan/split.py); None: every matrix stepped by its owner alone."""
+    """Layerwise mode: when a matrix's Newton–Schulz is shared by several ranks
+    ([Note: split Newton–Schulz] in plan/split.py); None: every matrix stepped by its owner
+    alone."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tuple(self.specs))
