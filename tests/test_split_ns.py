@@ -36,10 +36,10 @@ def split_muon_step(param, grad, state, options, k):
     split_ns.apply_update(param, ortho.T if param.shape[0] > param.shape[1] else ortho, options)
 
 
-def run_both(shape, k, seed=0, **kwargs):
+def run_both(shape, k, seed=0, device="cpu", **kwargs):
     gen = torch.Generator().manual_seed(seed)
-    start = torch.randn(shape, generator=gen)
-    grads = [torch.randn(shape, generator=gen) for _ in range(STEPS)]
+    start = torch.randn(shape, generator=gen).to(device)
+    grads = [torch.randn(shape, generator=gen).to(device) for _ in range(STEPS)]
     theirs = torch.nn.Parameter(start.clone())
     muon = torch.optim.Muon([theirs], lr=0.02, **kwargs)
     ours, state = start.clone(), {}
@@ -75,4 +75,16 @@ def test_parts_match_torch_muon(shape, k, options):
     # iterations and 3 steps keep it within 1e-5 of the update's size, as tests/test_muon.py
     assert rel_error(ours, theirs) <= 1e-5
     ours, theirs = run_both(shape, k, **options)  # torch's bf16
+    assert rel_error(ours, theirs) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("shape,k", [((768, 3072), 2), ((2304, 768), 4), ((2048, 8192), 3)])
+def test_parts_match_torch_muon_on_gpu(shape, k):
+    """cuBLAS: the parts' GEMMs against torch's Muon on the GPU, preset shapes (fp32 to 1e-5 as
+    on the CPU; torch's bf16 GEMMs round the Gram once, the parts' fp32 sum too: 1e-2)."""
+    with fp32_newton_schulz():
+        ours, theirs = run_both(shape, k, device="cuda")
+    assert rel_error(ours, theirs) <= 1e-5
+    ours, theirs = run_both(shape, k, device="cuda")
     assert rel_error(ours, theirs) <= 1e-2

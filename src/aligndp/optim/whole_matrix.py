@@ -87,6 +87,11 @@ class WholeMatrixSpec:
             )
         if not callable(self.cost):
             raise TypeError(f"cost must be a function shape -> float, got {self.cost!r}")
+        if self.split is not None and not issubclass(self.optimizer_class, torch.optim.Muon):
+            raise ValueError(
+                f"{self.name} cannot share a matrix's step over ranks (split Newton–Schulz runs "
+                "torch.optim.Muon's algorithm, aligndp/optim/split_ns.py): give split=None"
+            )
 
     @property
     def name(self) -> str:
@@ -196,11 +201,6 @@ class WholeMatrixPart(OptimizerPart):
             for i in members:
                 split = model.index.slots[self.params[i]].slot.split
                 if split is not None and split.part_of(model.rank) is not None:
-                    if not issubclass(spec.optimizer_class, torch.optim.Muon):
-                        raise ValueError(
-                            f"{spec.name} cannot share a matrix's step over ranks (split "
-                            "Newton–Schulz is Muon's): give its WholeMatrixSpec split=None"
-                        )
                     self.splits[i] = SplitMatrix(
                         self.params[i].shape, split, model.rank, model.process_group, model.device
                     )
