@@ -6,7 +6,8 @@ Variants (``--variants``, comma-separated; ``+compile`` = ``torch.compile`` of t
 of an FP8 variant's time), ``torchao+compile`` (torchao float8
 tensorwise with its own auto layer filter, when torchao is importable), and every aligndp recipe
 ``fp8-tensor``, ``fp8``, ``mxfp8``, eager and ``+compile``, each converting the layers its default
-rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run). A recipe
+rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run, and a
+variant written ``fp8-tensor:all+compile`` sets it for that variant alone). A recipe
 that converts no layer on this GPU is reported, not timed (its step is the bf16 step).
 All variants use aligndp's GPT preset, bf16 autocast, fp32 params; the aligndp ones go through
 ``aligndp.parallelize`` (fused wgrad into the grad buffer, AdamW).
@@ -84,6 +85,8 @@ def torchao_available() -> bool:
 def build(variant: str, args, device: torch.device):
     """(model, optimizer, note) for ``variant``; model None with a note when it is not timed."""
     kind, _, compiled = variant.partition("+")
+    kind, _, layers = kind.partition(":")  # fp8-tensor:all+compile: this variant's --layers
+    layers = layers or args.layers
     module = build_gpt(args.preset, device, torch.float32)
     fused = device.type == "cuda"
     note = ""
@@ -110,12 +113,12 @@ def build(variant: str, args, device: torch.device):
             return None, None, f"no {kind} backend on {device.type}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the no-fast-path warning: the note says it
-            plan = conversion_plan(module, recipe, layers=args.layers)
+            plan = conversion_plan(module, recipe, layers=layers)
         note = describe_plan(kind, plan)
         if all(why for _, why in plan):
             return None, None, note
         note = f"{sum(not why for _, why in plan)}/{len(plan)}|{note}"
-        convert_to_mxfp8(module, backend=backend.name, layers=args.layers)
+        convert_to_mxfp8(module, backend=backend.name, layers=layers)
         model, opt = aligndp.parallelize(
             module, optimizer="adamw", lr=3e-4, wgrad=kind, process_group=args.process_group
         )

@@ -12,22 +12,24 @@ recipe declares a :class:`GainRule`:
   Hopper our Triton backend dequantises to bf16 — emulated, a correctness path. No CPU has a
   fast path, so the CPU backends (reference, fp8-tensor) are correctness paths too.
 - the layer shapes where FP8 does not gain (``skip``): a layer with ``in_features <= K`` and
-  ``out_features <= N`` for any listed ``(K, N)`` stays ``nn.Linear``. The per-tensor and
-  1x128 boxes are measured on H200 (``benchmarks/fp8_layer_sweep.py``: one Linear's fwd+bwd
-  at M = 8192 tokens, bf16 autocast, fp32 weight, each recipe's time over bf16's in the same
-  mode; benchmarks/results/fp8_step_2026-12-01.md). A shape converts only where the ratio
-  clearly pays (<= 0.9). Measured, per-tensor (eager / compiled): 768x2304 2.63 / 1.35,
-  768x768 2.22 / 1.21, 768x3072 2.65 / 1.08, 3072x768 2.79 / 1.32, 2048x6144 1.76 / 1.40,
-  2048x2048 2.58 / 1.56, 2048x8192 1.09 / 1.11, 8192x2048 1.02 / **0.80**; 1x128 eager
-  1.13-3.87 at the same shapes, compiled 2.17-2.68 at gpt2-small's. So per-tensor converts
-  only ``in >= 8192`` with ``out >= 2048`` (``FP8_TENSOR_SKIP``; at 1b that is ``blocks.*.out``,
-  about break-even eager), and 1x128 nothing up to 8192 x 8192 (``FP8_BLOCK_SKIP``; beyond,
-  torchao's rowwise rule, unmeasured here). At these sizes the quantise passes and the host's
-  launches cost more than the FP8 GEMM saves; torchao's own tensorwise rule (skip ``in <= 4096``
-  and ``out <= 1024``, H100, M = 16384) converts gpt2-small's qkv and fc, which lose here.
-  MXFP8 keeps torchao 0.18's rowwise rule (``_auto_filter_for_rowwise``: skip out <= 2048,
-  in <= 1024, or in <= 2048 and out <= 4096), unmeasured: Hopper has no MXFP8 fast path.
-  The measured token count is 8192; fewer tokens per step gain less.
+  ``out_features <= N`` for any listed ``(K, N)`` stays ``nn.Linear``. The boxes are measured
+  on H200 in a *whole training step* (``benchmarks/fp8_step.py``, bf16 autocast, fp32 params,
+  batch 8 x 1024; benchmarks/results/fp8_step_2026-12-01.md), because a Linear timed alone
+  misleads: ``benchmarks/fp8_layer_sweep.py`` issues one layer's fwd+bwd back to back, which
+  is host-bound at these sizes (per-tensor "lost" there at 1b's 2048x6144, 1.40 compiled), while
+  in a compiled step the host runs ahead and the GPU time decides — per-kernel GPU time of that
+  layer, compiled: 0.73 ms per-tensor against 0.89 bf16 and 0.82 torchao float8 (2048x8192:
+  0.92 / 1.15 / 0.99; 8192x2048: 0.95 / 1.27 / 0.99). The 1b step, compiled: every block Linear
+  per-tensor 80.4 ms, only the 8192->2048 ones 89.3, bf16 90.5, torchao float8 83.6. So
+  per-tensor converts where ``in >= 2048`` and ``out >= 2048`` (``FP8_TENSOR_SKIP``: all four
+  of 1b's block Linears); gpt2-small's 768-wide ones stay (per-tensor 2.2-2.8 of bf16 per
+  layer eager, every layer converted 1.51 of the bf16 step eager, torchao float8 + compile 1.26
+  of bf16 + compile); widths between 768 and 2048 are not measured. 1x128 converts nothing up
+  to 8192 x 8192 (``FP8_BLOCK_SKIP``; 1.13-3.87 per layer eager, and the 1b step with every
+  block Linear compiled is 140.9 ms, 1.56 of bf16 + compile; beyond, torchao's rowwise rule,
+  unmeasured here). MXFP8 keeps torchao 0.18's rowwise rule (``_auto_filter_for_rowwise``:
+  skip out <= 2048, in <= 1024, or in <= 2048 and out <= 4096), unmeasured: Hopper has no
+  MXFP8 fast path. The measured token count is 8192; fewer tokens per step gain less.
 
 ``convert_to_mxfp8(layers="pays")`` (the default; ``aligndp train --wgrad-layers pays``)
 applies the rule; ``layers="all"`` converts every layer the recipe can run (dims multiples of
@@ -59,8 +61,8 @@ __all__ = [
 BLOCKWISE_SKIP = ((math.inf, 2048), (1024, math.inf), (2048, 4096))
 """torchao's rowwise rule: not where ``out <= 2048``, ``in <= 1024``, or ``in <= 2048`` and
 ``out <= 4096``."""
-FP8_TENSOR_SKIP = ((8191, math.inf), (math.inf, 2047))
-"""Per-tensor FP8, measured on H200: gains only where ``in >= 8192`` and ``out >= 2048``."""
+FP8_TENSOR_SKIP = ((2047, math.inf), (math.inf, 2047))
+"""Per-tensor FP8, measured on H200 in the 1b step: gains where ``in, out >= 2048``."""
 FP8_BLOCK_SKIP = BLOCKWISE_SKIP + ((8192, 8192),)
 """1x128 FP8, measured on H200: no gain up to ``in, out <= 8192``; torchao's rowwise beyond."""
 
