@@ -190,8 +190,8 @@ def assert_some_matrix_split(model, opt) -> None:
 def case_split_newton_schulz_matches_one_process(rank, ws):
     """Matrices whose Newton–Schulz a group of ranks shares (odd widths: 515 columns cut 258 +
     257, 172 + 172 + 171, ...) train as one process does with torch's Muon: fp32 Newton–Schulz
-    (both sides) to REL, torch's bf16 as loosely as without a split (BF16_REL: the Gram's parts
-    summed in fp32 round to bf16 once, as torch's bf16 GEMM does, but in another order)."""
+    (both sides) to REL, torch's bf16 as loosely as without a split (BF16_REL: each part's
+    Gram rounds to bf16 as torch's GEMM does, and their fp32 sum rounds once more)."""
     runs = [(HUGE, FORCED)]
     runs += [(HUGE, BALANCED)] if ws > 2 else []  # at dp 2 no cut of 515x11 lowers the max
     worst = max(run_against_reference(rank, ws, shape=shape, split=split) for shape, split in runs)

@@ -8,9 +8,9 @@ the owner first, and each part's columns (of the matrix in its wide orientation)
    updates the momentum and makes ``X`` = the update in ``NS_DTYPE``, wide, over its norm —
    Muon's algorithm as ``torch.optim.Muon`` runs it (``lerp`` momentum, Nesterov, ``eps``);
 2. scatters the column blocks ``X_j`` to the group;
-3. ``ns_steps`` times, on every rank: its Gram ``X_j X_jᵀ`` in fp32 (the accumulation a bf16
-   GEMM does), one all-reduce, cast to ``NS_DTYPE``; its rows of ``B = bA + cA·A``; one
-   all-gather of ``B``; ``X_j <- aX_j + B X_j``;
+3. ``ns_steps`` times, on every rank: its Gram ``X_j X_jᵀ`` (a GEMM in ``NS_DTYPE``), one
+   all-reduce in fp32, cast to ``NS_DTYPE``; its rows of ``B = bA + cA·A``; one all-gather of
+   ``B``; ``X_j <- aX_j + B X_j``;
 4. gathers the blocks back and applies Muon's update to the param: weight decay
    ``p <- p·(1 - lr·wd)``, then ``p <- p - lr·ratio·X`` with ``adjust_lr_fn``'s ratio.
 
@@ -85,9 +85,9 @@ def normalised(update: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gram_part(x: torch.Tensor) -> torch.Tensor:
-    """This part's share of ``A = X Xᵀ``, accumulated in fp32 (the parts' sum is ``A``)."""
-    x = x.float()
-    return x @ x.T
+    """This part's share of ``A = X Xᵀ`` as fp32 (the parts are summed in fp32): the GEMM runs
+    in ``x``'s dtype, as torch's (bf16 tensor cores on a GPU), so one part is torch's Gram."""
+    return (x @ x.T).float()
 
 
 def b_rows(gram: torch.Tensor, lo: int, hi: int, b: float, c: float) -> torch.Tensor:
