@@ -200,6 +200,30 @@ def case_split_newton_schulz_matches_one_process(rank, ws):
         print(f"split NS, dp {ws}: worst relative error {worst:.2e} (fp32), {bf16:.2e} (bf16)")
 
 
+@case(4)
+def case_split_newton_schulz_in_a_subgroup(rank, ws):
+    """Data parallel over the subgroups {0, 2} and {1, 3} (group ranks are not global ranks, as
+    in a mesh's shard group): each matrix's split group is found by its global ranks, and each
+    pair trains as one process on its global batch."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = pairs[rank % 2]
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    with fp32_newton_schulz():
+        model, opt = aligndp.parallelize(
+            make_net(HUGE), optimizer="muon", sharding="zero1", lr=MUON_LR, adamw_lr=ADAMW_LR,
+            bucket_numel=150, process_group=group, split=FORCED,
+        )  # fmt: skip
+        assert_some_matrix_split(model, opt)
+        ref = Reference(HUGE)
+        for step in range(3):
+            backward(model, step, me, size, 1)
+            opt.step()
+            opt.zero_grad()
+            ref.step(step)
+    for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
+        assert rel_error(p, q) <= REL, f"{n}: {rel_error(p, q):.2e}"
+
+
 @case(2, 3, 4)
 def case_none_matches_one_process(rank, ws):
     worst = max(

@@ -195,14 +195,19 @@ class WholeMatrixPart(OptimizerPart):
             for ref in model.index.refs_of(Mode.LAYERWISE)
         ]
         # [Note: split Newton–Schulz]: this rank's side of every matrix it shares, its groups
-        # made here in bucket order (the same order on every rank)
+        # made here in bucket order (the same order on every rank). The plan's ranks are those
+        # of the collectives' group (a mesh's shard group; ``process_group`` may be wider)
         self.splits: dict[int, SplitMatrix] = {}
         for _, members in self._buckets:
             for i in members:
                 split = model.index.slots[self.params[i]].slot.split
                 if split is not None and split.part_of(model.rank) is not None:
                     self.splits[i] = SplitMatrix(
-                        self.params[i].shape, split, model.rank, model.process_group, model.device
+                        self.params[i].shape,
+                        split,
+                        model.rank,
+                        model.collectives.group,
+                        model.device,
                     )
 
     @property
