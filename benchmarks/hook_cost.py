@@ -12,6 +12,11 @@ post-accumulate hooks, torch DDP's C++ reducer hooks). Plain torch (no wrapper) 
 On CPU the default model has gpt2-small's 148 params at tiny widths, so the numbers are the
 per-param host work, not arithmetic. Prints one JSON line per variant and the ratios against
 torch DDP measured in the same run.
+
+``--timeit`` times aligndp's registered hooks alone instead ([Note: one closure per param] in
+aligndp/runtime/grad_sync.py): inside a backward, in steady state (readiness learned, the
+direct path, every bucket launched as it fills at dp 1), one pass of every param's hook in
+backward order, minus the cost of resetting the round between passes; microseconds per call.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import timeit
 
 import torch
 import torch.distributed as dist
@@ -81,6 +87,40 @@ def measure(model, opt, idx: torch.Tensor, *, steps: int, warmup: int, device) -
     return hook_host_ms(prof, steps)
 
 
+def hook_us_per_call(model, opt, idx: torch.Tensor, *, number: int = 200) -> float:
+    """Microseconds per call of aligndp's post-accumulate hooks on the direct path."""
+    for _ in range(3):  # readiness learned from the last synchronised backward
+        model(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+    params = list(model.module.parameters())[::-1]  # ≈ backward order
+    hooks = [next(iter(p._post_accumulate_grad_hooks.values())) for p in params]
+    reducer = model.reducer
+    model(idx, idx)  # arms param.grad as the views
+    timed: list[float] = []
+
+    def inside_backward(grad: torch.Tensor) -> torch.Tensor:
+        hooks[0](params[0])  # IDLE -> ACCUMULATING (once per step, off the fast path)
+        reducer._reset_round()
+
+        def one_pass() -> None:
+            for hook, p in zip(hooks, params):
+                hook(p)
+            reducer._reset_round()
+
+        full = min(timeit.repeat(one_pass, number=number, repeat=7)) / number
+        reset = min(timeit.repeat(reducer._reset_round, number=number, repeat=7)) / number
+        timed.append((full - reset) / len(params) * 1e6)
+        return grad
+
+    x = torch.ones(1, requires_grad=True)
+    y = x * 2
+    y.register_hook(inside_backward)  # the hooks queue the end-of-backward callback: in backward
+    y.sum().backward()
+    opt.zero_grad()
+    return timed[0]
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -89,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median reported")
+    ap.add_argument("--timeit", action="store_true", help="us per aligndp hook call instead")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if not dist.is_initialized():
@@ -100,6 +141,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
     cfg = PRESETS[args.preset] if args.preset else NARROW
     idx = torch.randint(cfg.vocab_size, (args.batch, cfg.seq_len), device=device)
+    if args.timeit:
+        torch.set_num_threads(1)
+        us = {v: hook_us_per_call(*build(v, cfg, device), idx) for v in VARIANTS[2:]}
+        for v, x in us.items():
+            print(json.dumps({"variant": v, "hook_us_per_call": round(x, 3)}), flush=True)
+        return us
     built = {v: build(v, cfg, device) for v in VARIANTS}
     ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):

@@ -342,8 +342,18 @@ def case_param_gather_runs_in_forward_order(rank, ws):
     )
     loss_of(model, *batch(0, rank, ws)).backward()
     opt.step()
+    emb = model.module.emb
+
+    def pending(m: nn.Module) -> bool:  # type() reads no values: it never waits
+        return type(m.weight).__name__.startswith("Pending")
+
+    assert pending(emb), "emb's gather is in flight: its weight reads must wait"
+    seen = []  # registered after aligndp's pre-hook, so it runs after it, before forward
+    handle = emb.register_forward_pre_hook(lambda m, _args: seen.append(pending(m)))
     with torch.no_grad():
-        model.module.emb(batch(1, rank, ws)[0])  # the first module alone
+        emb(batch(1, rank, ws)[0])  # the first module alone
+    handle.remove()
+    assert seen == [False], "emb's own pre-hook must wait for its bucket before its forward"
     assert opt.gather.in_flight == len(layout.buckets) - 1, (
         "only emb's bucket may have been waited for"
     )

@@ -27,7 +27,7 @@ from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.step_state import BucketRef
+from aligndp.runtime.step_state import BucketRef, ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -61,9 +61,10 @@ class OptimizerPart(abc.ABC):
     elementwise_state: bool
 
     @abc.abstractmethod
-    def prepare_grads(self) -> None:
-        """Bind the reduced gradients as ``.grad`` of what the inner optimizer steps (idempotent
-        within one reduction; params without a gradient get none)."""
+    def prepare_grads(self, grads: ReducedGrads) -> None:
+        """Bind the reduced gradients ``grads`` (the model's read-only view,
+        [Note: reduced grads view]) as ``.grad`` of what the inner optimizer steps (idempotent
+        for one view; params without a gradient get none)."""
 
     @abc.abstractmethod
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -75,7 +76,7 @@ class OptimizerPart(abc.ABC):
         (``torch.nn.utils.clip_grads_with_norm_``)."""
 
     @abc.abstractmethod
-    def on_reduced(self) -> None:
+    def on_reduced(self, grads: ReducedGrads) -> None:
         """After a reduction: give what the inner optimizer steps the ``.grad`` users may see
         (a :class:`~aligndp.runtime.grads.ShardedGrad` where it has no full value, so a torch
         ``GradScaler`` refuses clearly)."""
@@ -123,10 +124,10 @@ class ReplicatedPart(OptimizerPart):
         self.params = [p for g in inner.param_groups for p in g["params"]]
         self.names = [model.param_names[p] for p in self.params]
 
-    def prepare_grads(self) -> None:
-        pass
+    def prepare_grads(self, grads: ReducedGrads) -> None:
+        pass  # steps from param.grad: the reduced view, as published, maybe edited by the user
 
-    def on_reduced(self) -> None:
+    def on_reduced(self, grads: ReducedGrads) -> None:
         pass  # the params themselves: the DataParallel published their grads
 
     def _grads(self) -> list[torch.Tensor]:
@@ -201,26 +202,26 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.gather = model.param_gather
         """The model's param gather, which this optimizer calls into after each step."""
         self.gather.set_overlap(overlap_param_gather)
-        model.reduction_listeners.append(self._on_reduced)
+        model.reducer.reduction_listeners.append(self._on_reduced)
 
-    def _on_reduced(self) -> None:
+    def _on_reduced(self, grads: ReducedGrads) -> None:
         for part in self.parts:
-            part.on_reduced()
+            part.on_reduced(grads)
 
-    def _prepare(self) -> None:
-        """Bind every part's gradients, after the gradient sync (idempotent)."""
+    def _prepare(self, grads: ReducedGrads) -> None:
+        """Bind every part's gradients from ``grads`` (idempotent for one view)."""
         self.gather.wait_all()  # the previous gather reads the shards we are about to write
         for part in self.parts:
-            part.prepare_grads()
+            part.prepare_grads(grads)
 
-    def _global_norm(self) -> torch.Tensor:
-        self._prepare()
+    def _global_norm(self, grads: ReducedGrads) -> torch.Tensor:
+        self._prepare(grads)
         return global_grad_norm(
             [part.local_grad_sq_sum() for part in self.parts], collectives=self.model.collectives
         )
 
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        total = self._global_norm()
+    def _clip(self, max_norm: float, grads: ReducedGrads) -> torch.Tensor:
+        total = self._global_norm(grads)
         for part in self.parts:
             part.scale_grads(max_norm, total)
         return total
@@ -229,8 +230,7 @@ class CompositeOptimizer(DataParallelOptimizer):
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the reduced gradients over every param (one all-reduce), as
         ``torch.nn.utils.clip_grad_norm_`` would compute it over every rank's full gradients."""
-        self.model.finish_grad_sync()
-        return self._global_norm()
+        return self._global_norm(self.model.finish_grad_sync())
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -240,23 +240,22 @@ class CompositeOptimizer(DataParallelOptimizer):
             raise ValueError(f"aligndp clips by the 2-norm only, got norm_type={norm_type!r}")
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-        self.model.finish_grad_sync()
-        return self._clip(max_norm)
+        return self._clip(max_norm, self.model.finish_grad_sync())
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closures are not supported: run forward/backward before step()")
-        self.model.finish_grad_sync()  # the step's one call: what follows reads reduced grads
+        grads = self.model.finish_grad_sync()  # the step's one call: the reduced grads' view
         if self.model.nonfinite is not None:
             if self.model.config.on_nonfinite == "skip":
                 self.skipped_steps += 1
                 return None
             raise FloatingPointError(self.model.nonfinite)
         if self.max_grad_norm is not None:
-            self._clip(self.max_grad_norm)
+            self._clip(self.max_grad_norm, grads)
         else:
-            self._prepare()
+            self._prepare(grads)
         for part in self.parts:
             part.step_owned(self.gather.launch_stepped)
         self.model.data_touched.clear()

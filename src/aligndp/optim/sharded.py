@@ -39,6 +39,7 @@ from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
+from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -160,7 +161,7 @@ class ShardedPart(OptimizerPart):
         mine = set(self.names)
         self._group_names = [[n for n in g.names if n in mine] for g in groups]
         self._versions = {id(p.param): p.param._version for p in self.masters if p.cast_back}
-        self._prepared_at: int | None = None
+        self._prepared: ReducedGrads | None = None
 
     @property
     def _device(self) -> torch.device:
@@ -195,9 +196,9 @@ class ShardedPart(OptimizerPart):
         return masters
 
     # ---- the part interface (aligndp/optim/composite.py) ----
-    def on_reduced(self) -> None:
+    def on_reduced(self, grads: ReducedGrads) -> None:
         for p in self.masters:
-            p.master.grad = p.sharded_grad if self.model.has_grad(p.param) else None
+            p.master.grad = p.sharded_grad if grads.has_grad(p.param) else None
 
     @torch.no_grad()
     def _refresh_masters(self) -> None:
@@ -215,19 +216,21 @@ class ShardedPart(OptimizerPart):
                 self._versions[id(p.param)] = p.param._version
 
     @torch.no_grad()
-    def prepare_grads(self) -> None:
-        """Bind each master's ``.grad`` to its reduced gradient (the ``grad_data`` view, cast to
-        the master's dtype where the grad buffer's differs); none where no rank had one."""
-        if self._prepared_at == self.model.reductions:
+    def prepare_grads(self, grads: ReducedGrads) -> None:
+        """Bind each master's ``.grad`` to its owned reduced gradient (the ``grad_data`` view,
+        cast to the master's dtype where the grad buffer's differs); none where no rank had
+        one."""
+        if self._prepared is grads:
+            grads.check()
             return
         self._refresh_masters()
         for p in self.masters:
-            if self.model.has_grad(p.param):
-                g = p.buffer.grad_data[p.piece.start : p.piece.end]
+            if grads.has_grad(p.param):
+                g = grads.owned(p.param)
                 p.master.grad = g if g.dtype == p.master.dtype else g.to(p.master.dtype)
             else:
                 p.master.grad = None
-        self._prepared_at = self.model.reductions
+        self._prepared = grads
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.master.grad for p in self.masters if p.master.grad is not None]
@@ -249,7 +252,7 @@ class ShardedPart(OptimizerPart):
     def step_owned(self, bucket_stepped: BucketStepped) -> None:
         """Inner optimizer step on the masters, cast back into ``param_data``, drop the grads
         (one step over every bucket: the composite gathers them all afterwards)."""
-        self.prepare_grads()
+        assert self._prepared is not None, "the composite prepares the grads before the step"
         self.inner[0].step()
         low = [p for p in self.masters if p.cast_back]
         if low:
@@ -259,7 +262,7 @@ class ShardedPart(OptimizerPart):
             )
         for p in self.masters:
             p.master.grad = None  # never leave an alias of grad_data behind
-        self._prepared_at = None
+        self._prepared = None
 
     # ---- model-space state ([Note: model-space state] in aligndp/state/model_space.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:

@@ -42,6 +42,7 @@ from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
+from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -188,7 +189,7 @@ class WholeMatrixPart(OptimizerPart):
             i: self.params[i]._version for i in self.owned if self.targets[i] is not self.params[i]
         }
         self._visible: dict[int, torch.Tensor | None] | None = None
-        self._prepared_at: int | None = None
+        self._prepared: ReducedGrads | None = None
         index = {id(p): i for i, p in enumerate(self.params)}
         self._buckets = [  # (bucket, indices of its params), in bucket order
             (ref, [index[id(p)] for p in model.index.members[ref] if id(p) in index])
@@ -215,21 +216,22 @@ class WholeMatrixPart(OptimizerPart):
         """Indices (into ``names``/``params``) of the params this rank steps."""
         return [i for i, o in enumerate(self.owners) if o == self.model.rank]
 
-    def on_reduced(self) -> None:
+    def on_reduced(self, grads: ReducedGrads) -> None:
         for i in self.owned:
             if self.targets[i] is not self.params[i]:  # a 16-bit param's fp32 master
                 self.targets[i].grad = (
-                    ShardedGrad(self.targets[i]) if self.model.has_grad(self.params[i]) else None
+                    ShardedGrad(self.targets[i]) if grads.has_grad(self.params[i]) else None
                 )
 
     @torch.no_grad()
-    def prepare_grads(self) -> None:
+    def prepare_grads(self, grads: ReducedGrads) -> None:
         """1. assign: owned params with a gradient (on some rank) get their reduced ``main_grad``
         (cast to the master's dtype); fp32 masters of 16-bit params the user wrote since our
         last step (version counter) take the new values first."""
-        if self._prepared_at == self.model.reductions:
+        if self._prepared is grads:
+            grads.check()
             return
-        self._prepared_at = self.model.reductions
+        self._prepared = grads
         # params stepped in place show a ShardedGrad after each reduction: hide it from the step
         self._visible = {
             i: p.grad for i, (p, t) in enumerate(zip(self.params, self.targets)) if p is t
@@ -244,9 +246,7 @@ class WholeMatrixPart(OptimizerPart):
                 refresh_master(self.targets[i], p.detach())
                 self._versions[i] = p._version
             self.targets[i].grad = (
-                self.model.reduced_grad(p).to(self.targets[i].dtype)
-                if self.model.has_grad(p)
-                else None
+                grads.view(p).to(self.targets[i].dtype) if grads.has_grad(p) else None
             )
 
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -307,7 +307,7 @@ class WholeMatrixPart(OptimizerPart):
         for i, grad in (self._visible or {}).items():
             self.params[i].grad = grad  # as the DataParallel published it ([Note: step states])
         self._visible = None
-        self._prepared_at = None
+        self._prepared = None
 
     def state_of(self, name: str) -> dict:
         """The inner optimizer's state of param ``name`` on this rank (empty if not owned or not

@@ -36,11 +36,12 @@ stays zero.
 
 [Note: gradient as bucket view]
 Where a buffer's grad dtype is its params' dtype, ``forward`` (grad enabled) makes each param's
-``param.grad`` its ``main_grad`` view when it is None (:meth:`GradSync.arm`), as torch DDP's
-``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the buffer itself, and the
-post-accumulate hook only counts (identity check, readiness counter: no copy, no Python work
-per element). The hook copies only off this path: a param whose grad dtype differs, a backward
-whose forward bypassed the wrapper, ``create_graph=True`` (autograd replaces ``param.grad``).
+``param.grad`` its ``main_grad`` view when it is None (``GradReducer.arm``, grad_sync.py), as
+torch DDP's ``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the buffer
+itself, and the post-accumulate hook only counts (identity check, its group's countdown: no
+copy, no Python work per element). The hook copies only off this path: a param whose grad
+dtype differs, a backward whose forward bypassed the wrapper, ``create_graph=True`` (autograd
+replaces ``param.grad``).
 Zeroing whole buffers at ``zero_grad`` writes every element once; the copy it replaces read
 and wrote them, and issued one kernel and one Python hook body per param. A param without a
 gradient in the step shows ``param.grad`` None again after the reduction, as in torch.
@@ -49,8 +50,6 @@ gradient in the step shows ``param.grad`` None again after the reduction, as in 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -61,75 +60,38 @@ from aligndp.plan.fused import fused_wgrad_modules
 from aligndp.plan.request import PlanRequest, plan_buffers
 from aligndp.plan.slots import BufferLayout
 from aligndp.plan.spec import (
-    DEFAULT_BUCKET_NUMEL,
-    DEFAULT_START_ALIGNMENT,
     Mode,
     ParamSpec,
     Requirement,
-    check_bucket_numel,
-    check_grad_dtype,
 )
 from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
+from aligndp.runtime.bucket_group import BucketGroup, bucket_groups
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collective_backends import (
-    DEFAULT_COLLECTIVES,
-    check_collectives_name,
     make_collectives,
 )
-from aligndp.runtime.grad_sync import GradSync
+from aligndp.runtime.collectives import Collectives
+from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
+from aligndp.runtime.grad_sync import GradReducer
+from aligndp.runtime.join import Join
 from aligndp.runtime.param_gather import ParamGather
-from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex, StepState, param_index
+from aligndp.runtime.step_state import (
+    BucketRef,
+    ParamIndex,
+    ReducedGrads,
+    RoundReport,
+    StepState,
+    param_index,
+)
 from aligndp.runtime.wrapped_param import binding, claim_params
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
 
-NONFINITE_ACTIONS = ("raise", "skip")
+
+_DEFAULT_CONFIG = DDPConfig()
 
 
-@dataclasses.dataclass(frozen=True)
-class DDPConfig:
-    """Settings of the data-parallel wrapper."""
-
-    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
-    """Target elements per bucket (one collective each); None puts each buffer in one bucket."""
-    overlap: bool = True
-    """Launch each bucket's collective during backward as soon as it is ready; False waits
-    for the end of backward and launches everything there."""
-    grad_dtype: torch.dtype | None = None
-    """dtype of the gradient buffers; None keeps each param's dtype (fp32 for bf16 params
-    gives fp32 gradient accumulation and reduction)."""
-    start_alignment: int = DEFAULT_START_ALIGNMENT
-    """Param start alignment in elements; requirements of active consumers can only raise it."""
-    check_finite: bool = False
-    """Count every param's non-finite (NaN/Inf) local gradient elements before its bucket's
-    collective: one pass over each bucket, on the device, no host sync there. The counts ride
-    on the end-of-backward agreement, which is then read on the host once per step, and every
-    rank acts per ``on_nonfinite``."""
-    on_nonfinite: str = "raise"
-    """With ``check_finite``: ``"raise"`` a FloatingPointError naming the params on every
-    rank, or ``"skip"`` the optimizer step on every rank (params and state untouched)."""
-    broadcast_at_wrap: bool = True
-    """Copy rank 0's params and buffers to every rank when wrapping."""
-    broadcast_buffers: bool = True
-    """Copy rank 0's module buffers (BatchNorm statistics, ...) to every rank at the start of
-    every forward through the wrapper, as torch DDP's ``broadcast_buffers=True``."""
-    collectives: str = DEFAULT_COLLECTIVES
-    """Name of the collectives backend that reduces and gathers the buckets and allocates the
-    buffers ([Note: collectives seam] in aligndp/runtime/collectives.py): ``"torch"`` is
-    torch.distributed on the process group; others are registered with
-    ``aligndp.register_collectives``."""
-
-    def __post_init__(self) -> None:
-        check_bucket_numel(self.bucket_numel)
-        check_grad_dtype(self.grad_dtype)
-        if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}"
-            )
-        check_collectives_name(self.collectives)
-
-
-class DataParallel(GradSync, nn.Module):
+class DataParallel(nn.Module):
     """Wrap an unmodified module; keep its grads in aligned flat buffers reduced by bucket.
 
     ``modes`` maps param names to a :class:`~aligndp.plan.spec.Mode` (default: every param
@@ -137,6 +99,12 @@ class DataParallel(GradSync, nn.Module):
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
     ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)
     replaces ``modes`` and the config's planning fields.
+
+    A thin module over three parts built here once: ``index`` (the
+    :class:`~aligndp.runtime.step_state.ParamIndex`), ``groups`` (one
+    :class:`~aligndp.runtime.bucket_group.BucketGroup` per bucket, [Note: bucket groups]) and
+    ``reducer`` (the :class:`~aligndp.runtime.grad_sync.GradReducer`: hooks, step states,
+    agreement), plus ``param_gather`` over the groups; the methods below forward to them.
     """
 
     def __init__(
@@ -144,7 +112,7 @@ class DataParallel(GradSync, nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
-        config: DDPConfig = DDPConfig(),
+        config: DDPConfig = _DEFAULT_CONFIG,
         modes: Mapping[str, Mode] | None = None,
         requirements: Iterable[Requirement] = (),
         plan: PlanRequest | None = None,
@@ -161,8 +129,7 @@ class DataParallel(GradSync, nn.Module):
         self.config = config
         self.dp_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.collectives = make_collectives(config.collectives, group=process_group)
-        """The backend that reduces, gathers and allocates ([Note: collectives seam])."""
+        self._collectives = make_collectives(config.collectives, group=process_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
@@ -223,7 +190,7 @@ class DataParallel(GradSync, nn.Module):
                     layout,
                     [by_name[s.name] for s in sorted(layout.params, key=lambda s: s.index)],
                     with_param_data=layout.mode is not Mode.REPLICATED,
-                    allocator=self.collectives,
+                    allocator=self._collectives,
                 )
                 for layout in layouts
             ]
@@ -233,36 +200,99 @@ class DataParallel(GradSync, nn.Module):
         self.index: ParamIndex = param_index(self.flat_buffers, self.params, rank=self.rank)
         """The one param -> (buffer, bucket, slot, owned piece) index, built here once and
         shared with the param gather and the optimizer parts."""
-        self._slot: Mapping[nn.Parameter, GradSlot] = self.index.slots
         self.bucket_refs: list[BucketRef] = list(self.index.refs)
-        self._init_grad_sync()
+        self.groups: list[BucketGroup] = bucket_groups(self.index, collectives=self._collectives)
+        """One per bucket, in launch order: readiness, reduce and gather ([Note: bucket groups])."""
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see
         wrapped_param.WrappedParameter)."""
-        self.param_gather = ParamGather(self.index, module=module, collectives=self.collectives)
-        """The all-gather of sharded params after each step; the optimizer calls into it."""
-        self._joined: _Join | None = None
-        self._replaced = False
+        self.param_gather = ParamGather(self.groups, module=module, collectives=self._collectives)
+        """The order of the param all-gathers after each step; the optimizer calls into it."""
+        self._joined: Join | None = None
         self._comm_hook: str | None = None
-        self._claim_params(fused)
-
-    # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
-    def _claim_params(self, fused) -> None:
-        self._eager_zero: set[nn.Parameter] = claim_params(self, self.params)
-        me = weakref.ref(self)
-
-        def hook(param: nn.Parameter, _me=me) -> None:
-            owner = _me()
-            if owner is not None and not owner._replaced:
-                owner._on_grad(param)
-
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        self.reducer = GradReducer(
+            self.index,
+            self.groups,
+            params=self.params,
+            names=self.param_names,
+            config=config,
+            collectives=self._collectives,
+            rank=self.rank,
+            device=self.device,
+            eager_zero=claim_params(self, self.params),
+        )
+        """Gradient hooks, step states and the agreement ([Note: step states])."""
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(hook)
+            for p, hook in zip(self.params, self.reducer.hooks())
+        ]
         gather = self.param_gather  # state_dict() reads the params: their gathers first
         self._hooks.append(
             self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
         )
         for _, m in fused:
-            m.bind_grad_sink(self)
+            m.bind_grad_sink(self.reducer)
+
+    @property
+    def collectives(self) -> Collectives:
+        """The backend that reduces, gathers and allocates ([Note: collectives seam])."""
+        return self._collectives
+
+    @collectives.setter
+    def collectives(self, value: Collectives) -> None:
+        self._collectives = self.reducer.collectives = self.param_gather.collectives = value
+        for group in self.groups:
+            group.collectives = value
+
+    # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
+    @property
+    def _replaced(self) -> bool:
+        return self.reducer.replaced
+
+    @_replaced.setter
+    def _replaced(self, value: bool) -> None:
+        self.reducer.replaced = value
+
+    # ---- the gradient reducer's public face ([Note: step states]) ----
+    @property
+    def state(self) -> StepState:
+        return self.reducer.state
+
+    @property
+    def nonfinite(self) -> str | None:
+        """The agreed message of the last reduction when a gradient was not finite, else None."""
+        return self.reducer.nonfinite
+
+    @property
+    def last_round(self) -> RoundReport | None:
+        """What the last synchronised backward did."""
+        return self.reducer.last_round
+
+    def finish_grad_sync(self) -> ReducedGrads:
+        """Launch what is left, wait, agree, publish ``param.grad`` (runs by itself at the end
+        of every synchronised backward; a no-op then) and return the read-only view of the
+        reduced gradients ([Note: reduced grads view])."""
+        return self.reducer.finish_grad_sync()
+
+    def no_sync(self):
+        """Accumulate gradients locally (micro-batches); the next backward outside syncs them."""
+        return self.reducer.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as ``opt.zero_grad()`` ([Note: lazy zeroing])."""
+        self.reducer.zero_grad(set_to_none)
+
+    def zero_grad_buffer(self) -> None:
+        """Start a new step: every ``main_grad`` counts as zero, every ``param.grad`` dropped."""
+        self.reducer.zero_grad_buffer()
+
+    def buckets_in_flight(self) -> list[BucketRef]:
+        """Buckets whose gradient collective was launched and not yet waited for."""
+        return self.reducer.buckets_in_flight()
+
+    def main_grad_view(self, param: nn.Parameter) -> torch.Tensor:
+        """``param.main_grad`` (the view, zeroed first if stale: a touch counts as a gradient)."""
+        return self.reducer.main_grad_view(param)
 
     # ---- params and buffers ----
     def _broadcast_from_rank0(self) -> None:
@@ -315,12 +345,12 @@ class DataParallel(GradSync, nn.Module):
         if self.config.broadcast_buffers and self.dp_size > 1:
             self._broadcast_buffers()
         if torch.is_grad_enabled():
-            self._reopen()  # before autograd accumulates into a ShardedGrad
-            self.arm()  # [Note: gradient as bucket view]
+            self.reducer._reopen()  # before autograd accumulates into a ShardedGrad
+            self.reducer.arm()  # [Note: gradient as bucket view]
         out = self.module(*args, **kwargs)
         gather = self.param_gather
         if gather.in_flight:
-            self._unwaited |= gather.pending_params()
+            self.reducer.note_unwaited(gather.pending_params())
             gather.wait_all()
         return out
 
@@ -329,7 +359,7 @@ class DataParallel(GradSync, nn.Module):
         """Uneven inputs: train inside ``with model.join():``. When one rank runs out of batches
         while others still train, every rank raises the same ``ValueError`` at its next forward
         (one tiny all-reduce per forward while inside) instead of hanging."""
-        self._joined = joined = _Join(self)
+        self._joined = joined = Join(self)
         try:
             yield
         finally:
@@ -354,33 +384,3 @@ class DataParallel(GradSync, nn.Module):
         self._hooks = []
         for _, m in fused_wgrad_modules(self.module):
             m.bind_grad_sink(None)
-
-
-class _Join:
-    """The bookkeeping of :meth:`DataParallel.join`: one flag all-reduce per forward."""
-
-    def __init__(self, model: DataParallel) -> None:
-        self.model = model
-
-    def _still_training(self, flag: int) -> int:
-        t = torch.tensor([flag], dtype=torch.int32, device=self.model.device)
-        self.model.collectives.all_reduce_sum(t)
-        return int(t.item())
-
-    def _message(self, training: int) -> str:
-        ws = self.model.dp_size
-        return (
-            f"uneven inputs: {ws - training} of {ws} rank(s) ran out of batches while "
-            f"{training} still train; give every rank the same number of batches (e.g. "
-            "DistributedSampler(drop_last=True), or drop the last incomplete batch)"
-        )
-
-    def forward(self) -> None:
-        training = self._still_training(1)
-        if training < self.model.dp_size:
-            raise ValueError(self._message(training))
-
-    def leave(self) -> None:
-        training = self._still_training(0)
-        if training:
-            raise ValueError(self._message(training))

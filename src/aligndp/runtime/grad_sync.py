@@ -1,11 +1,10 @@
-"""The gradient side of :class:`~aligndp.runtime.ddp.DataParallel`: hooks, step states (the
-reduction itself, readiness and the agreement: reduction.py).
+"""The gradient reducer of :class:`~aligndp.runtime.ddp.DataParallel`: hooks and step states
+(the end-of-backward reduction and agreement: reduction.py, its other half).
 
 See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step states].
-:class:`GradSync` is a mixin: ``DataParallel`` provides ``params``, ``param_names``,
-``index`` (the :class:`~aligndp.runtime.step_state.ParamIndex`), ``_slot`` and
-``bucket_refs`` (its slots and refs), ``flat_buffers``, ``config``, ``collectives``, ``rank``,
-``dp_size``, ``device``, ``_eager_zero`` and ``_replaced``, and calls :meth:`_init_grad_sync`.
+``DataParallel`` composes one :class:`GradReducer` (``model.reducer``) over its
+:class:`~aligndp.runtime.step_state.ParamIndex` and its
+:class:`~aligndp.runtime.bucket_group.BucketGroup` s, and forwards its public methods.
 
 ``state`` changes in these named transitions only ([Note: step states]):
 
@@ -13,166 +12,268 @@ See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step sta
     _reopen               REDUCED -> ACCUMULATING   a gradient after the reduction
     finish_grad_sync      ACCUMULATING -> REDUCED   the end of a synchronised backward
     zero_grad_buffer      any -> IDLE               a new step begins (``zero_grad``)
+
+[Note: one closure per param]
+Per-param state is lists indexed by the param's registration index ``k`` (no dict or set
+lookup by param, whose hash is a Python call), and each param's post-accumulate hook is a
+closure bound to its ``k``, its view and its :class:`BucketGroup`. On the direct path
+([Note: gradient as bucket view] in ddp.py: ACCUMULATING and ``param.grad`` is the view)
+the hook only marks the param written and counts its group down; every other case goes
+through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
+kernel's ``mark_ready`` runs the same ``arrive`` closure.
+
+[Note: one copy per bucket]
+Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into
+the buffer: one kernel launch per param on the host, where plain torch *steals* the tensor
+the backward made (no kernel). Under ``torch.compile`` the backward's own launches are few, so
+those per-param launches were most of aligndp's extra host time (one H200, gpt2-small: 150
+elementwise kernels, 0.7 ms of GPU time and about 4 ms more host time per step than plain
+torch). So once a synchronised backward has shown which params arrive (the readiness hints),
+a bucket whose params each arrived exactly once, and whose collective therefore launches
+during backward, *defers*: its params are not armed, AccumulateGrad steals their gradients,
+the hook keeps each (``BucketGroup.deferred``), and the group's launch copies them all into
+the buffer with one ``torch._foreach_copy_`` (a few multi-tensor kernels) before its
+collective, then makes each ``param.grad`` the view, as the armed path would have. A
+deferred gradient lives until its bucket launches: at most about one bucket of extra memory,
+since only buckets that launch during backward defer (the first backward, a bucket holding a
+param unused last time, ``no_sync`` rounds and fused-wgrad params keep the armed path). Anything
+that reads a view before its launch (``param.main_grad``, the end of backward) flushes first.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from aligndp.plan.fused import GradTarget
-from aligndp.runtime.collectives import Work
+from aligndp.runtime.bucket_group import BucketGroup
+from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.grads import same_storage
 from aligndp.runtime.reduction import Reduction
 from aligndp.runtime.step_flags import PendingFlags
-from aligndp.runtime.step_state import BucketRef, RoundReport, StepState
+from aligndp.runtime.step_state import ParamIndex, ReducedGrads, RoundReport, StepState
 
-__all__ = ["GradSync"]
+__all__ = ["GradReducer"]
 
 _ACCUMULATING = StepState.ACCUMULATING  # read per gradient: a global, not an enum lookup
 
 
-class GradSync(Reduction):
-    """Gradient hooks and the step states; the reduction is :class:`Reduction`'s."""
+class GradReducer(Reduction):
+    """Gradient hooks, readiness, the step states and the reduced-gradient view of one model."""
 
-    def _init_grad_sync(self) -> None:
-        self._bucket_params = self.index.members
-        self._position = {ref: k for k, ref in enumerate(self.bucket_refs)}
-        self._launch_position = {p: self._position[self._slot[p].ref] for p in self.params}
-        """param -> the launch position of its bucket."""
+    def __init__(
+        self,
+        index: ParamIndex,
+        groups: Sequence[BucketGroup],
+        *,
+        params: Sequence[nn.Parameter],
+        names: Mapping[nn.Parameter, str],
+        config,
+        collectives: Collectives,
+        rank: int,
+        device: torch.device,
+        eager_zero: set[nn.Parameter],
+    ) -> None:
+        """``params`` in registration order; ``config``: the model's ``DDPConfig``;
+        ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
+        self.index, self.groups, self.config = index, list(groups), config
+        self.params, self.param_names = list(params), names
+        self.collectives, self.rank, self.device = collectives, rank, device
+        self.dp_size = collectives.dp_size
+        n = len(self.params)
+        self._k = {p: k for k, p in enumerate(self.params)}
+        self._slots = list(index.slots.values())
+        self._views = [s.view for s in self._slots]
+        by_ref = {g.ref: g for g in self.groups}
+        self._group_of = [by_ref[s.ref] for s in self._slots]
+        self._eager_zero = [p in eager_zero for p in self.params]
         # [Note: gradient as bucket view]: where a buffer's grad dtype is its params' dtype,
         # autograd accumulates straight into the view (``param.grad`` is the view)
         self._direct_buffers = [
-            buf for buf in self.flat_buffers if buf.layout.grad_dtype == buf.layout.param_dtype
+            b for b in index.buffers if b.layout.grad_dtype == b.layout.param_dtype
         ]
-        self._direct: dict[nn.Parameter, torch.Tensor] = {
-            p: self._slot[p].view for buf in self._direct_buffers for p in buf.params
-        }
-        self._armed: set[nn.Parameter] = set()  # param.grad is its view, set by us
+        direct = {id(p) for b in self._direct_buffers for p in b.params}
+        self._direct = [id(p) in direct for p in self.params]
+        self._armed = [False] * n  # param.grad is its view, set by us
+        self._stale = [not z for z in self._eager_zero]  # [Note: lazy zeroing]
+        self._used = [False] * n  # had a gradient on this rank since the reduction
+        self._published: set[int] = set()  # param.grad set by us ([Note: step states])
+        self._fired = [0] * n  # [Note: bucket readiness]: arrivals this round
+        self._expected = [-1] * n  # arrivals in the last synchronised round (-1: none yet)
         self.state = StepState.IDLE
+        self.epoch = 0
+        """Moves at every reduction, reopen and ``zero_grad``: a :class:`ReducedGrads` of an
+        older epoch refuses to be read."""
+        self._view: ReducedGrads | None = None
         self._pending_flags: PendingFlags | None = None
-        self.reduction_listeners: list = []
-        """Called after each reduction has published ``param.grad`` (optimizers mark the tensors
-        they step, e.g. ZeRO-1's fp32 masters, the same way)."""
-        self._expected: dict[nn.Parameter, int] | None = None  # [Note: bucket readiness]
-        self._fired: dict[nn.Parameter, int] = dict.fromkeys(self.params, 0)
-        self._stale: set[nn.Parameter] = set(self.params)  # [Note: lazy zeroing]
-        self._used: set[nn.Parameter] = set()  # had a gradient on this rank since the reduction
-        self._published: set[nn.Parameter] = set()  # param.grad set by us ([Note: step states])
+        self.reduction_listeners: list[Callable[[ReducedGrads], None]] = []
+        """Called with the :class:`ReducedGrads` after each reduction has published
+        ``param.grad`` (optimizers give the tensors they step, e.g. ZeRO-1's fp32 masters,
+        the ``.grad`` users may see)."""
         self._problems: dict[str, set[nn.Parameter]] = {"late": set(), "stale_read": set()}
         self._nonfinite: torch.Tensor | None = None
         self._finite_spans = (
-            {ref: self._spans(ref) for ref in self.bucket_refs} if self.config.check_finite else {}
+            {g.position: self._spans(g) for g in self.groups} if config.check_finite else {}
         )
-        self._works: dict[BucketRef, Work | None] = {}
-        self._waiting_after_reduction: list[int] = []
-        self._waiting: list[int] = []
         self._next_launch = 0
         self._launched_in_backward = 0
         self._sync_enabled = True
         self._callback_queued = False
         self._unwaited: set[nn.Parameter] = set()
+        self.replaced = False
+        """The model was wrapped again: its end-of-backward callback does nothing."""
         self.nonfinite: str | None = None
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
-        self.reductions = 0
-        """Counts reductions and zero_grads: what optimizers bound to the gradients is valid
-        while it is unchanged."""
+        self._arrive = [self._bind(k)[1] for k in range(n)]
+
+    def hooks(self) -> list[Callable[[nn.Parameter], None]]:
+        """Each param's post-accumulate-grad hook ([Note: one closure per param])."""
+        return [self._bind(k)[0] for k in range(len(self.params))]
+
+    def _bind(self, k: int):
+        """(hook, arrive) of param ``k`` ([Note: one closure per param])."""
+        me = weakref.ref(self)  # the hooks live on the params: they must not keep us alive
+        view, group = self._views[k], self._group_of[k]
+        stale, used, fired, expected = self._stale, self._used, self._fired, self._expected
+
+        def arrive(r: GradReducer, param: nn.Parameter) -> None:
+            if not r._callback_queued:
+                r._queue_end_of_backward()
+            stale[k] = False
+            used[k] = True
+            if r._unwaited and param in r._unwaited:
+                r._problems["stale_read"].add(param)
+            if not r._sync_enabled:
+                return
+            n = fired[k] = fired[k] + 1
+            if group.position < r._next_launch:
+                r._problems["late"].add(param)  # only a fused layer used more often than last time
+            elif n == expected[k]:  # [Note: bucket readiness]: one count per bucket
+                group.countdown -= 1
+                if not group.countdown and group.position == r._next_launch:
+                    r._launch_ready()
+                    r._launched_in_backward = r._next_launch
+
+        def hook(param: nn.Parameter) -> None:
+            r = me()
+            if r is None:
+                return
+            if r.state is _ACCUMULATING and param.grad is view:
+                arrive(r, param)
+            elif group.defer and stale[k] and not fired[k] and r._defer(param, k, group):
+                arrive(r, param)  # [Note: one copy per bucket]
+            elif r._absorb(param, k):
+                arrive(r, param)
+
+        return hook, arrive
 
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/plan/fused.py) ----
     def grad_target(self, param: nn.Parameter) -> GradTarget | None:
-        slot = self._slot.get(param)
-        if slot is None:
+        k = self._k.get(param)
+        if k is None:
             return None
         self._reopen()
         # a stale view stays stale until mark_ready ([Note: write, not accumulate])
-        return GradTarget(slot.view, accumulate=param not in self._stale)
+        return GradTarget(self._views[k], accumulate=not self._stale[k])
 
     def main_grad_view(self, param: nn.Parameter) -> torch.Tensor:
         """``param.main_grad`` for users: the view, zeroed first if stale. Touching it during a
         step counts as giving the param a gradient (it is reduced and stepped)."""
-        self._take(param)
+        k = self._k[param]
+        self._flush(self._group_of[k])
+        self._take(k)
         if self.state is StepState.IDLE:
             self._begin_accumulating()
-        return self._slot[param].view
+        return self._views[k]
 
     def mark_ready(self, param: nn.Parameter) -> None:
         """A fused-wgrad kernel has written ``param``'s gradient into its view."""
-        self._queue_end_of_backward()
         self._reopen()
-        self._stale.discard(param)
         self._begin_accumulating()
-        self._arrived(param)
+        self._arrive[self._k[param]](self, param)
 
-    def buckets_in_flight(self) -> list[BucketRef]:
+    def buckets_in_flight(self) -> list:
         """Buckets whose gradient collective was launched and not yet waited for, in launch
         order (read-only; empty outside a synchronised backward)."""
-        return list(self._works)
+        return [g.ref for g in self.groups if g.reducing]
 
     # ---- hooks ----
     def arm(self) -> None:
         """Before a forward with grad: make every direct param's ``param.grad`` its view, so
         autograd accumulates into the buffer itself ([Note: gradient as bucket view])."""
-        armed = self._armed
-        for p, view in self._direct.items():
-            if p.grad is None:
-                p.grad = view
-                armed.add(p)
+        armed, views, groups = self._armed, self._views, self._group_of
+        for k, p in enumerate(self.params):
+            if self._direct[k] and p.grad is None and not groups[k].defer:
+                p.grad = views[k]
+                armed[k] = True
 
-    def _on_grad(self, param: nn.Parameter) -> None:
+    def _absorb(self, param: nn.Parameter, k: int) -> bool:
+        """Off the direct path: bring ``param.grad`` into its view and the model into
+        ACCUMULATING. False when there is no gradient (nothing arrived)."""
         grad = param.grad
         if grad is None:
-            return
-        if not self._callback_queued:
-            self._queue_end_of_backward()
-        view = self._slot[param].view
-        if grad is view and param not in self._published:  # accumulated in place: nothing to do
-            self._stale.discard(param)
-            if self.state is not _ACCUMULATING:
-                self._reopen()
-                self._begin_accumulating()
-            self._arrived(param)
-            return
-        if param in self._published:  # autograd accumulated onto the visible grad
-            self._published.discard(param)  # (no forward through us): it is the new total
+            return False
+        view = self._views[k]
+        if grad is view and k not in self._published:  # accumulated in place: nothing to do
+            self._reopen()
+            self._begin_accumulating()
+            return True
+        if k in self._published:  # autograd accumulated onto the visible grad
+            self._published.discard(k)  # (no forward through us): it is the new total
             if not same_storage(grad, view):
                 view.copy_(grad.view_as(view))
             self._reopen()  # the other visible grads
         else:
             self._reopen()
-            if param in self._stale or param in self._armed:  # the view was zero / is in grad
-                self._stale.discard(param)
+            if self._stale[k] or self._armed[k]:  # the view was zero / is in grad
                 view.copy_(grad.view_as(view))
             else:
                 view.add_(grad.view_as(view))
-        if param in self._direct:
+        if self._direct[k]:
             param.grad = view
-            self._armed.add(param)
+            self._armed[k] = True
         else:
             param.grad = None
         self._begin_accumulating()
-        self._arrived(param)
+        return True
 
-    def _arrived(self, param: nn.Parameter) -> None:
-        assert self.state is _ACCUMULATING, "a gradient arrives in ACCUMULATING only"
-        self._used.add(param)
-        if self._unwaited and param in self._unwaited:
-            self._problems["stale_read"].add(param)
-        if not self._sync_enabled:
+    def _defer(self, param: nn.Parameter, k: int, group: BucketGroup) -> bool:
+        """Keep ``param``'s first gradient of the step for its group's one copy at launch
+        ([Note: one copy per bucket]); False (take the other paths) when it cannot be copied
+        as it is or the round is not one that defers."""
+        grad = param.grad
+        view = self._views[k]
+        if (
+            grad is None
+            or grad.layout is not torch.strided
+            or not self._sync_enabled
+            or self.state is StepState.REDUCED
+            or grad.dtype is not view.dtype
+            or grad.shape != view.shape
+        ):
+            return False
+        self._begin_accumulating()
+        group.deferred.append((k, grad))
+        return True
+
+    def _flush(self, group: BucketGroup) -> None:
+        """Copy the group's deferred gradients into the buffer (one ``_foreach_copy_``) and
+        make each ``param.grad`` its view."""
+        deferred, group.deferred = group.deferred, []
+        if not deferred:
             return
-        fired = self._fired[param] = self._fired[param] + 1
-        position = self._launch_position[param]
-        if position < self._next_launch:
-            self._problems["late"].add(param)  # only a fused layer used more often than last time
-        elif self._expected is not None and self.config.overlap:
-            if fired == self._expected[param]:  # [Note: bucket readiness]: one count per bucket
-                self._waiting[position] -= 1
-                if position == self._next_launch:
-                    self._launch_ready()
-                    self._launched_in_backward = self._next_launch
+        views = self._views
+        with torch.no_grad():
+            torch._foreach_copy_([views[k] for k, _ in deferred], [g for _, g in deferred])
+        params, armed = self.params, self._armed
+        for k, _ in deferred:
+            params[k].grad = views[k]
+            armed[k] = True
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -181,16 +282,20 @@ class GradSync(Reduction):
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        if self._sync_enabled and not self._replaced:
+        if self._sync_enabled and not self.replaced:
             self.finish_grad_sync()
 
-    def _take(self, param: nn.Parameter) -> None:
+    def _take(self, k: int) -> None:
         """Zero a stale view before something accumulates into or reads it (the views of
         direct buffers are zero already: zero_grad zeroed them whole)."""
-        if param in self._stale:
-            self._stale.discard(param)
-            if param not in self._direct:
-                self._slot[param].view.zero_()
+        if self._stale[k]:
+            self._stale[k] = False
+            if not self._direct[k]:
+                self._views[k].zero_()
+
+    def note_unwaited(self, params: set[nn.Parameter]) -> None:
+        """``params`` were read in forward before their all-gather was waited for."""
+        self._unwaited |= params
 
     # ---- the named transitions ([Note: step states]) ----
     def _begin_accumulating(self) -> None:
@@ -207,36 +312,40 @@ class GradSync(Reduction):
         if self.state is not StepState.REDUCED:
             return
         self.state = StepState.ACCUMULATING
-        for p in list(self._published):
-            slot, grad = self._slot[p], p.grad
-            flat = slot.view.view(-1)
+        self.epoch += 1
+        for k in sorted(self._published):
+            p, slot = self.params[k], self._slots[k]
+            grad, flat = p.grad, slot.view.view(-1)
             if grad is None:  # dropped by the user (model.zero_grad(), p.grad = None)
                 flat.zero_()
             elif slot.owned is None:
                 if not same_storage(grad, slot.view):
                     slot.view.copy_(grad.view_as(slot.view))
-                self._used.add(p)
+                self._used[k] = True
             else:  # own shard x dp_size, zeros elsewhere: the next mean adds the new mean to it
                 lo, hi = slot.owned.lo, slot.owned.hi
                 flat[:lo].zero_()
                 flat[hi:].zero_()
                 flat[lo:hi].mul_(self.dp_size)
-                self._used.add(p)
-            if p in self._direct:  # autograd goes on accumulating into the view
+                self._used[k] = True
+            if self._direct[k]:  # autograd goes on accumulating into the view
                 if p.grad is not slot.view:
                     p.grad = slot.view
-                self._armed.add(p)
+                self._armed[k] = True
             else:
                 p.grad = None
         self._published.clear()
 
     def _reset_round(self) -> None:
-        self._fired = dict.fromkeys(self._fired, 0)
-        self._waiting = list(self._waiting_after_reduction)
-        self._works.clear()
+        n = len(self.params)
+        self._fired[:] = [0] * n
+        for g in self.groups:
+            g.countdown = len(g.params)
+            g.reducing = False
+            g.deferred = []
         self._next_launch = 0
         self._launched_in_backward = 0
-        self._used = set()
+        self._used[:] = [False] * n
         self._problems = {"late": set(), "stale_read": set()}
         self._nonfinite = None
         self._unwaited = set()
@@ -254,20 +363,20 @@ class GradSync(Reduction):
     def zero_grad_buffer(self) -> None:
         """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
         every ``param.grad`` is dropped."""
-        self._stale = set(self.params) - self._eager_zero
+        self._stale[:] = [not z for z in self._eager_zero]
         for buf in self._direct_buffers:  # one op per buffer ([Note: gradient as bucket view])
             buf.grad_data.zero_()
-        for p in self._eager_zero:
-            if p not in self._direct:
-                self._slot[p].view.zero_()
+        for k, zero in enumerate(self._eager_zero):
+            if zero and not self._direct[k]:
+                self._views[k].zero_()
         for p in self.params:
             p.grad = None
-        self._armed.clear()
+        self._armed[:] = [False] * len(self.params)
         self._published.clear()
         self._reset_round()
         self._callback_queued = False
         self.nonfinite = None
-        self.reductions += 1
+        self.epoch += 1
         self.state = StepState.IDLE
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -275,14 +384,16 @@ class GradSync(Reduction):
         params unused in the next step are still stepped (with zero gradient), as in torch."""
         self.zero_grad_buffer()
         if not set_to_none:
-            self._used = set(self.params)
+            self._used[:] = [True] * len(self.params)
             self._begin_accumulating()
 
-    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
-        """The ``main_grad`` view of ``param`` after a reduction (this rank's shard is valid in
-        sharded and layer-wise buffers); for optimizers, which read it without reopening."""
-        return self._slot[param].view
-
-    def has_grad(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` has a reduced gradient to step with (some rank used it)."""
-        return param in self._published
+    def reduced(self) -> ReducedGrads:
+        """The read-only view of the current gradients ([Note: reduced grads view]): the last
+        reduction's in REDUCED, none otherwise (IDLE: nothing to step)."""
+        view = self._view
+        if view is None or view.epoch != self.epoch:
+            has = frozenset(self.params[k] for k in self._published)
+            if self.state is not StepState.REDUCED:
+                has = frozenset()
+            view = self._view = ReducedGrads(self, self.epoch, self.index, has)
+        return view

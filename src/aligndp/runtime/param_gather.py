@@ -19,54 +19,48 @@ first. The next ``step()``, checkpoints and ``model.wait_for_params()`` call
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch.nn as nn
 
-from aligndp.runtime.collectives import Collectives, Work
-from aligndp.runtime.step_state import BucketRef, ParamIndex
-from aligndp.runtime.wrapped_param import mark_pending, settle
+from aligndp.runtime.bucket_group import BucketGroup
+from aligndp.runtime.collectives import Collectives
+from aligndp.runtime.step_state import BucketRef
 
 __all__ = ["ParamGather"]
 
 
 class ParamGather:
-    """Launches and tracks per-bucket param all-gathers of the buffers that hold params.
+    """The order and overlap of the per-bucket param all-gathers; each gather's work and
+    pending params are its :class:`~aligndp.runtime.bucket_group.BucketGroup`'s.
 
-    The model owns one (``DataParallel.param_gather``, built with it); the optimizer calls
-    into it: :meth:`set_overlap` once, then :meth:`launch_stepped` / :meth:`launch_rest`
-    after each step and :meth:`wait_all` before writing the shards again. Buckets are named
-    by :class:`~aligndp.runtime.step_state.BucketRef` and params found through the model's
-    :class:`~aligndp.runtime.step_state.ParamIndex`, as on the gradient side; buffers
-    without ``param_data`` (replicated) hold no params to gather.
+    The model owns one (``DataParallel.param_gather``, built with it over its groups); the
+    optimizer calls into it: :meth:`set_overlap` once, then :meth:`launch_stepped` /
+    :meth:`launch_rest` after each step and :meth:`wait_all` before writing the shards again.
+    Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef`, as on the gradient
+    side; groups of buffers without ``param_data`` (replicated) hold no params to gather.
     """
 
     def __init__(
         self,
-        index: ParamIndex,
+        groups: Sequence[BucketGroup],
         *,
         module: nn.Module,
         collectives: Collectives,
     ) -> None:
-        """``index`` and ``collectives``: the model's; ``module``: the wrapped module (its
-        forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
-        self.index = index
+        """``groups`` (launch order) and ``collectives``: the model's; ``module``: the wrapped
+        module (its forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
         self.module = module
         self.collectives = collectives
         self.dp_size = collectives.dp_size
         self.overlap = False
-        self._pending: dict[BucketRef, Work] = {}
+        self._groups: dict[BucketRef, BucketGroup] = {g.ref: g for g in groups if g.gathers}
+        """The groups whose buckets hold params, by bucket."""
         self._launched: set[BucketRef] = set()
-        self._members: dict[BucketRef, tuple[nn.Parameter, ...]] = {
-            ref: index.members[ref]
-            for ref in index.refs
-            if index.buffer(ref).param_data is not None
+        self._group_of: dict[int, BucketGroup] = {
+            id(p): g for g in self._groups.values() for p in g.params
         }
-        """The params of each gathered bucket (pending while its overlapped gather is in flight)."""
-        self._key_of: dict[int, BucketRef] = {
-            id(p): ref for ref, members in self._members.items() for p in members
-        }
-        """id(param) -> the bucket holding it (a pending param's hash would wait: ids do not)."""
+        """id(param) -> the group holding it (a pending param's hash would wait: ids do not)."""
         self._hooks = []
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
@@ -88,23 +82,21 @@ class ParamGather:
         layers sit in the *last* bucket; gathering bucket 0 first would make the first module
         of the next forward wait for every gather (NCCL runs collectives in launch order).
         """
-        keys = [ref for ref in reversed(self.index.refs) if ref in self._members]
-        keys.sort(key=lambda ref: ref.buffer)  # each buffer's buckets reversed
+        keys = sorted(self._groups, key=lambda ref: (ref.buffer, -ref.bucket))
         position = {id(p): n for n, p in enumerate(module.parameters())}
         first = {
-            key: min((position.get(id(p), len(position)) for p in members), default=len(position))
-            for key, members in self._members.items()
+            ref: min((position.get(id(p), len(position)) for p in g.params), default=len(position))
+            for ref, g in self._groups.items()
         }
         return sorted(keys, key=lambda k: (first[k], keys.index(k)))
 
     def _install_hooks(self, module: nn.Module) -> None:
-        where = self._key_of
+        where = self._group_of
         for m in module.modules():
-            keys = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
-            if keys:
-                self._hooks.append(
-                    m.register_forward_pre_hook(lambda _m, _args, _keys=keys: self.wait(_keys))
-                )
+            mine = {where[id(p)].ref for p in m.parameters(recurse=False) if id(p) in where}
+            groups = [self._groups[ref] for ref in sorted(mine)]
+            if groups:
+                self._hooks.append(m.register_forward_pre_hook(_waits_for(groups)))
 
     def launch_stepped(self, ref: BucketRef) -> None:
         """Start the gather of a bucket the optimizer has just stepped (layer-wise Muon steps
@@ -125,40 +117,47 @@ class ParamGather:
     def launch_bucket(self, key: BucketRef) -> None:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
-        if self.dp_size > 1:
-            bucket = self.index.buffer(key).bucket_param(key.bucket)
-            self._pending[key] = self.collectives.all_gather_shards(bucket)
-            if self.overlap:  # [Note: reads wait for the gather] in wrapped_param.py
-                mark_pending(self._members.get(key, ()), self)
+        group = self._groups.get(key)
+        if group is not None:
+            group.launch_gather(self if self.overlap else None)
 
     def wait(self, keys: Iterable[BucketRef]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""
         for key in keys:
-            work = self._pending.pop(key, None)
-            if work is not None:
-                work.wait()
-                if self.overlap:
-                    settle(self._members.get(key, ()))
+            group = self._groups.get(key)
+            if group is not None:
+                group.wait_gather()
 
     def wait_for(self, param: nn.Parameter) -> None:
         """Wait for the gather of the bucket holding ``param`` (a pending param being read)."""
-        key = self._key_of.get(id(param))  # my params are alive: their ids are theirs
-        if key is not None:
-            self.wait((key,))
+        group = self._group_of.get(id(param))  # my params are alive: their ids are theirs
+        if group is not None:
+            group.wait_gather()
 
     def wait_all(self) -> None:
         """Wait for every gather still in flight: call before reading params outside forward."""
-        self.wait(list(self._pending))
+        for group in self._groups.values():
+            group.wait_gather()
 
     def pending_params(self) -> set:
         """The params of every bucket whose gather is still in flight."""
-        return {p for key in self._pending for p in self._members.get(key, ())}
+        return {p for g in self._groups.values() if g.gathering for p in g.params}
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return sum(g.gathering for g in self._groups.values())
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _waits_for(groups: list[BucketGroup]):
+    """A forward pre-hook that waits for ``groups``' gathers (the module's own buckets)."""
+
+    def pre_hook(_module, _args) -> None:
+        for g in groups:
+            g.wait_gather()
+
+    return pre_hook

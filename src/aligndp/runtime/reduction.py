@@ -1,16 +1,17 @@
-"""The reduction side of :class:`~aligndp.runtime.ddp.DataParallel`: bucket readiness, launches
-in index order, and the end-of-backward agreement that publishes ``param.grad``.
+"""The reduction half of :class:`~aligndp.runtime.grad_sync.GradReducer`: launches in index
+order, and the end-of-backward agreement that publishes ``param.grad``.
 
-:class:`Reduction` is a mixin of :class:`~aligndp.runtime.grad_sync.GradSync` (which owns the
-state it reads: ``_expected``, ``_fired``, ``_waiting``, ``_works``, ``_next_launch`` ...);
-[Note: bucket readiness] and [Note: step states] are in DESIGN.md.
+:class:`Reduction` is the reducer's base class (one object, two files: grad_sync.py holds its
+state, hooks and transitions); each bucket's collective is its
+:class:`~aligndp.runtime.bucket_group.BucketGroup`'s. [Note: bucket readiness] and
+[Note: step states] are in DESIGN.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from aligndp.plan.spec import Mode
+from aligndp.runtime.bucket_group import BucketGroup
 from aligndp.runtime.step_flags import (
     Agreed,
     decode_flags,
@@ -18,66 +19,57 @@ from aligndp.runtime.step_flags import (
     nonfinite_counts,
     to_host_async,
 )
-from aligndp.runtime.step_state import BucketRef, RoundReport, StepState
+from aligndp.runtime.step_state import ReducedGrads, RoundReport, StepState
 
 __all__ = ["Reduction"]
 
 
 class Reduction:
-    """Readiness, bucket collectives and ``finish_grad_sync`` (ACCUMULATING -> REDUCED)."""
+    """Launches in index order and ``finish_grad_sync`` (ACCUMULATING -> REDUCED)."""
 
     # ---- readiness and collectives ----
-    def _waiting_counts(self) -> list[int]:
-        """Per launch position, the bucket's params: each counts down once, when it has fired
-        as often as in the last synchronised backward (``_arrived``). A param that had no
-        gradient then never counts down, so its bucket waits for the end of backward."""
-        return [len(self._bucket_params[ref]) for ref in self.bucket_refs]
-
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.bucket_refs) and not self._waiting[self._next_launch]:
-            self._launch(self.bucket_refs[self._next_launch])
+        """Launch the groups from the next one on while they have counted down to zero."""
+        groups = self.groups
+        while self._next_launch < len(groups) and not groups[self._next_launch].countdown:
+            self._launch(groups[self._next_launch])
 
-    def _launch(self, ref: BucketRef) -> None:
-        assert ref == self.bucket_refs[self._next_launch], "buckets launch in index order"
-        buf = self.flat_buffers[ref.buffer]
-        for p in self._bucket_params[ref]:
-            if p not in self._stale and p not in self._eager_zero:
-                self._used.add(
-                    p
-                )  # written since zero_grad: by autograd, a fused kernel or the user
-            self._take(p)
-        grad = buf.bucket_grad(ref.bucket)
+    def _launch(self, group: BucketGroup) -> None:
+        assert group.position == self._next_launch, "buckets launch in index order"
+        self._flush(group)  # [Note: one copy per bucket] in grad_sync.py
+        stale, used, eager_zero = self._stale, self._used, self._eager_zero
+        for slot in group.slots:
+            k = slot.index
+            if not stale[k] and not eager_zero[k]:
+                used[k] = True  # written since zero_grad: by autograd, a fused kernel or the user
+            self._take(k)
+        grad = group.grad()
         if self.config.check_finite:
-            self._check_finite(ref, grad)
-        if self.dp_size == 1:
-            self._works[ref] = None
-        elif buf.layout.mode is Mode.REPLICATED:
-            self._works[ref] = self.collectives.all_reduce_mean(grad)
-        else:
-            self._works[ref] = self.collectives.reduce_scatter_mean(grad)
+            self._check_finite(group, grad)
+        group.launch_reduce(grad)
         self._next_launch += 1
 
-    def _spans(self, ref: BucketRef) -> torch.Tensor:
+    def _spans(self, group: BucketGroup) -> torch.Tensor:
         """``(3, k)`` int64 on the device: flag index, start and end (in the bucket) of each
         of the bucket's k params, for :meth:`_check_finite`."""
-        first = self.index.buffer(ref).layout.buckets[ref.bucket].start
-        slots = [self._slot[p] for p in self._bucket_params[ref]]
-        rows = [(s.index, s.slot.start - first, s.slot.end - first) for s in slots]
+        first = group.buffer.layout.buckets[group.ref.bucket].start
+        rows = [(s.index, s.slot.start - first, s.slot.end - first) for s in group.slots]
         return torch.tensor(rows, dtype=torch.int64).t().contiguous().to(self.device)
 
-    def _check_finite(self, ref: BucketRef, grad: torch.Tensor) -> None:
+    def _check_finite(self, group: BucketGroup, grad: torch.Tensor) -> None:
         """Count non-finite local gradient elements per param: one pass over the bucket, on
         the device (no host sync; the counts are read with the agreement)."""
         if self._nonfinite is None:
             self._nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        index, starts, ends = self._finite_spans[ref]
+        index, starts, ends = self._finite_spans[group.position]
         counts = nonfinite_counts(grad, starts=starts, ends=ends)
         self._nonfinite.index_add_(0, index, counts.to(torch.int32))
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self) -> ReducedGrads:
         """Reduce what has accumulated (launch every bucket not yet launched, wait for all),
         agree with the other ranks and publish ``param.grad``: ACCUMULATING -> REDUCED, a
         no-op in any other state. Runs by itself at the end of every synchronised backward.
+        Returns the read-only view of the reduced gradients ([Note: reduced grads view]).
 
         [Note: agreement without a host sync]
         The flags' all-reduce is always launched, but read on the host only when this rank
@@ -88,39 +80,44 @@ class Reduction:
         more often, a stale read) are raised at the end of the next reduction, on every rank
         alike."""
         if self.state is not StepState.ACCUMULATING:
-            return
+            return self.reduced()
         self._raise_pending_problems()
-        while self._next_launch < len(self.bucket_refs):
-            self._launch(self.bucket_refs[self._next_launch])
-        for work in self._works.values():
-            if work is not None:
-                work.wait()
+        while self._next_launch < len(self.groups):
+            self._launch(self.groups[self._next_launch])
+        for group in self.groups:
+            group.wait_reduce()
         flags = self._flags()
-        if len(self._used) == len(self.params) and not self.config.check_finite:
+        if all(self._used) and not self.config.check_finite:
             used, nonfinite, problems = self.params, "", ""
             self._pending_flags = to_host_async(flags)
         else:
             used, nonfinite, problems = self._decode(flags.tolist())
-        self.last_round = RoundReport(self._launched_in_backward, len(self.bucket_refs), len(used))
-        self._expected = dict(self._fired)
-        self._waiting_after_reduction = self._waiting_counts()
+        self.last_round = RoundReport(self._launched_in_backward, len(self.groups), len(used))
+        if self.config.overlap:  # [Note: bucket readiness]: this round's counts are the hints
+            self._expected[:] = self._fired
+            direct, expected = self._direct, self._expected
+            for g in self.groups:  # [Note: one copy per bucket] in grad_sync.py
+                g.defer = all(direct[s.index] and expected[s.index] == 1 for s in g.slots)
         self._reset_round()
-        self.reductions += 1
+        self.epoch += 1
         self.state = StepState.REDUCED
-        for p in used:
-            slot = self._slot[p]
+        armed = self._armed
+        for k in range(len(self.params)) if used is self.params else map(self._k.get, used):
+            p, slot = self.params[k], self._slots[k]
             if slot.sharded_grad is not None:
                 p.grad = slot.sharded_grad
-                self._armed.discard(p)
+                armed[k] = False
             elif p.grad is not slot.view:
                 p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)
-            self._published.add(p)
+            self._published.add(k)
         if len(used) < len(self.params):  # an armed param without a gradient shows None
-            for p in self._armed - set(used):
-                p.grad = None
-                self._armed.discard(p)
+            for k, p in enumerate(self.params):
+                if armed[k] and k not in self._published:
+                    p.grad = None
+                    armed[k] = False
+        reduced = self.reduced()
         for listener in self.reduction_listeners:
-            listener()
+            listener(reduced)
         self.nonfinite = None
         if nonfinite:
             skip = self.config.on_nonfinite == "skip"
@@ -138,6 +135,7 @@ class Reduction:
                 raise FloatingPointError(self.nonfinite)
         if problems:
             raise RuntimeError(problems)
+        return reduced
 
     def _flags(self) -> torch.Tensor:
         """This rank's flags (step_flags.py), summed over the ranks."""
@@ -148,7 +146,7 @@ class Reduction:
                 nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
         local = encode_flags(
             self.params,
-            used=self._used,
+            used={p for p, u in zip(self.params, self._used) if u},
             late=self._problems["late"],
             stale_read=self._problems["stale_read"],
             nonfinite=nonfinite,

@@ -1,4 +1,5 @@
-"""The vocabulary of one data-parallel step: states, bucket references, the param index.
+"""The vocabulary of one data-parallel step: states, bucket references, the param index, the
+read-only view of reduced gradients.
 
 [Note: step states] in DESIGN.md; the transitions are in grad_sync.py.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -17,7 +19,15 @@ from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.grads import ShardedGrad
 
-__all__ = ["BucketRef", "StepState", "GradSlot", "ParamIndex", "RoundReport", "param_index"]
+__all__ = [
+    "BucketRef",
+    "StepState",
+    "GradSlot",
+    "ParamIndex",
+    "ReducedGrads",
+    "RoundReport",
+    "param_index",
+]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -112,3 +122,52 @@ def param_index(
     for p, slot in slots.items():
         members[slot.ref].append(p)
     return ParamIndex(tuple(buffers), slots, refs, {ref: tuple(ps) for ref, ps in members.items()})
+
+
+class ReducedGrads:
+    """A read-only view of one reduction's gradients, what ``finish_grad_sync()`` hands the
+    optimizer ([Note: reduced grads view]).
+
+    Valid while its ``epoch`` is the reducer's: a new reduction, ``zero_grad`` or a gradient
+    reopening the buffers moves the epoch, and every read of an older view raises a
+    ``RuntimeError`` (an optimizer must never step from gradients that moved under it).
+    """
+
+    def __init__(self, source: _EpochSource, epoch: int, index: ParamIndex, has: frozenset) -> None:
+        self._source = source
+        self.epoch = epoch
+        """The reducer's epoch when this view was taken."""
+        self._slots = index.slots
+        self._has = has
+
+    def check(self) -> None:
+        """Raise if the gradients moved on since this view was taken."""
+        if self._source.epoch != self.epoch:
+            raise RuntimeError(
+                f"these reduced gradients are stale (taken at epoch {self.epoch}, now "
+                f"{self._source.epoch}: zero_grad, a new backward or a reduction came since); "
+                "take a new view with model.finish_grad_sync()"
+            )
+
+    def has_grad(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` has a reduced gradient (some rank had one for it)."""
+        self.check()
+        return param in self._has
+
+    def view(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s reduced gradient in its buffer's dtype, shaped like the param: valid
+        everywhere when replicated, only in :meth:`owned` when sharded or layer-wise."""
+        self.check()
+        return self._slots[param].view
+
+    def owned(self, param: nn.Parameter) -> torch.Tensor:
+        """The flat elements of ``param``'s reduced gradient this rank holds: all of them when
+        replicated, its :class:`~aligndp.plan.slots.OwnedPiece` otherwise (maybe empty)."""
+        self.check()
+        slot = self._slots[param]
+        flat = slot.view.view(-1)
+        return flat if slot.owned is None else flat[slot.owned.lo : slot.owned.hi]
+
+
+class _EpochSource(Protocol):
+    epoch: int

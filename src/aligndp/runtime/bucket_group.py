@@ -1,0 +1,124 @@
+"""A bucket group: both directions of one unit of communication, gradients and params.
+
+[Note: bucket groups]
+A :class:`BucketGroup` is built once per bucket from the model's
+:class:`~aligndp.runtime.step_state.ParamIndex` (:func:`bucket_groups`, in launch order) and
+owns everything that happens to that bucket at run time:
+
+- readiness: ``countdown``, the params still to arrive before its gradient collective may
+  start ([Note: bucket readiness] in DESIGN.md), reset from the last synchronised backward;
+- the gradient reduction: :meth:`launch_reduce` (all-reduce or reduce-scatter, mean) and
+  :meth:`wait_reduce`, with ``reducing`` true in between;
+- the param all-gather of sharded and layer-wise buffers: :meth:`launch_gather` and
+  :meth:`wait_gather` (the pending classes of [Note: reads wait for the gather] set and
+  cleared with it); the forward pre-hooks of
+  :class:`~aligndp.runtime.param_gather.ParamGather` wait on groups.
+
+The gradient reducer (grad_sync.py) decides *when* a group launches (strictly in position
+order, so every rank issues the same sequence) and what the gradients mean; the param gather
+(param_gather.py) decides in which order groups gather. A group is one bucket: the bucket
+size (``bucket_numel``) already sets how much one collective carries, and every call
+through the collectives seam stays one bucket's tensor, so a backend (a 2-D mesh, FP8
+gathers) sees the same calls as before. Megatron-Core groups several buckets to issue them
+as one coalesced NCCL call; here that would be a larger ``bucket_numel``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from aligndp.plan.spec import Mode
+from aligndp.runtime.buffer import FlatBuffer
+from aligndp.runtime.collectives import Collectives, Work
+from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex
+from aligndp.runtime.wrapped_param import PendingWaiter, mark_pending, settle
+
+__all__ = ["BucketGroup", "bucket_groups"]
+
+
+class BucketGroup:
+    """One bucket's readiness, gradient collective and param all-gather ([Note: bucket groups])."""
+
+    def __init__(
+        self, ref: BucketRef, position: int, index: ParamIndex, *, collectives: Collectives
+    ) -> None:
+        self.ref = ref
+        self.position = position
+        """Launch position: the reducer launches group ``k`` only after groups ``0..k-1``."""
+        self.buffer: FlatBuffer = index.buffer(ref)
+        self.params: tuple[nn.Parameter, ...] = index.members[ref]
+        """The bucket's params, in registration order."""
+        self.slots: tuple[GradSlot, ...] = tuple(index.slots[p] for p in self.params)
+        self.collectives = collectives
+        """The model's backend ([Note: collectives seam]); ``register_comm_hook`` replaces it."""
+        self.replicated = self.buffer.layout.mode is Mode.REPLICATED
+        self.gathers = self.buffer.param_data is not None
+        """Whether the bucket holds params to all-gather after a step (sharded, layer-wise)."""
+        self.countdown = len(self.params)
+        """Params still to arrive before the gradient collective may start."""
+        self.reducing = False
+        """The gradient collective was launched and not yet waited for."""
+        self.defer = False
+        """Its params' first gradients of a step are kept as autograd made them and copied into
+        the buffer in one ``_foreach_copy_`` at launch ([Note: one copy per bucket] in
+        grad_sync.py): set per round by the reducer from the last round's arrivals."""
+        self.deferred: list[tuple[int, torch.Tensor]] = []
+        """(param index, gradient) waiting for that copy."""
+        self._reduce_work: Work | None = None
+        self._gather_work: Work | None = None
+        self._marked = False  # its params were marked pending by the gather in flight
+
+    # ---- gradients ----
+    def grad(self) -> torch.Tensor:
+        """The bucket's elements of ``grad_data``."""
+        return self.buffer.bucket_grad(self.ref.bucket)
+
+    def launch_reduce(self, grad: torch.Tensor) -> None:
+        """Start the bucket's gradient mean over the ranks (in place; a no-op at dp 1)."""
+        assert not self.reducing, "a bucket's gradient collective launches once per round"
+        self.reducing = True
+        if self.collectives.dp_size == 1:
+            self._reduce_work = None
+        elif self.replicated:
+            self._reduce_work = self.collectives.all_reduce_mean(grad)
+        else:
+            self._reduce_work = self.collectives.reduce_scatter_mean(grad)
+
+    def wait_reduce(self) -> None:
+        """Wait for the gradient collective launched this round (if any)."""
+        work, self._reduce_work = self._reduce_work, None
+        if work is not None:
+            work.wait()
+        self.reducing = False
+
+    # ---- params ----
+    def launch_gather(self, waiter: PendingWaiter | None) -> None:
+        """Start the bucket's param all-gather; with ``waiter`` (overlapped with the next
+        forward) its params are pending until :meth:`wait_gather`."""
+        if self.collectives.dp_size == 1 or not self.gathers:
+            return
+        bucket = self.buffer.bucket_param(self.ref.bucket)
+        self._gather_work = self.collectives.all_gather_shards(bucket)
+        if waiter is not None:  # [Note: reads wait for the gather] in wrapped_param.py
+            mark_pending(self.params, waiter)
+            self._marked = True
+
+    def wait_gather(self) -> None:
+        """Wait for the param all-gather in flight, if any, and give its params their classes
+        back."""
+        work, self._gather_work = self._gather_work, None
+        if work is not None:
+            work.wait()
+            if self._marked:
+                self._marked = False
+                settle(self.params)
+
+    @property
+    def gathering(self) -> bool:
+        return self._gather_work is not None
+
+
+def bucket_groups(index: ParamIndex, *, collectives: Collectives) -> list[BucketGroup]:
+    """One :class:`BucketGroup` per bucket of ``index``, in launch order."""
+    return [BucketGroup(ref, k, index, collectives=collectives) for k, ref in enumerate(index.refs)]
