@@ -262,8 +262,9 @@ class WholeMatrixPart(OptimizerPart):
     def _step(self, members: list[int], grads: dict[int, torch.Tensor]) -> None:
         """Step ``members`` that have a gradient (the shared ones with their groups, the rest
         by the torch optimizer); cast their masters back into ``param_data``."""
+        reduced = self._prepared  # every rank agrees on which params have a gradient
         for i in members:
-            if i in self.splits and self.model.has_grad(self.params[i]):
+            if i in self.splits and reduced is not None and reduced.has_grad(self.params[i]):
                 self._split_step(i, grads.get(i))
         mine = [i for i in members if i in grads and i not in self.splits]
         for i in mine:
