@@ -229,6 +229,7 @@ class DataParallel(nn.Module):
             device=self.device,
             eager_zero=claim_params(self, self.params),
         )
+        self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(hook)
