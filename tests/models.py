@@ -47,6 +47,7 @@ with ZeRO-1 (the case that failed at 1.49e-6 on AVX-512 + AMX against a 1e-6 bou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -361,9 +362,15 @@ def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     return x.T if grad.size(0) > grad.size(1) else x
 
 
+@contextlib.contextmanager
 def fp32_newton_schulz():
-    """torch's Muon runs Newton–Schulz in fp32 meanwhile (patched; both sides of a comparison)."""
-    return mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32)
+    """torch's Muon, and aligndp's split Newton–Schulz (aligndp/optim/split_ns.py), run
+    Newton–Schulz in fp32 meanwhile (patched; both sides of a comparison)."""
+    with (
+        mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32),
+        mock.patch("aligndp.optim.split_ns.NS_DTYPE", torch.float32),
+    ):
+        yield
 
 
 # ---- a directory the ranks share ----

@@ -130,8 +130,9 @@ def test_replicas_plan_for_the_shard_group(capsys):
 
 
 def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
-    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 64^3 + 32^3 = 294,912 and
-    # 4096 + 1024 = 5,120 elements, imbalance exactly 1.
+    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 3·(64^3 + 32^3) = 884,736
+    # (an m x m matrix: m²·(2m + m) per iteration) and 4096 + 1024 = 5,120 elements, imbalance
+    # exactly 1.
     code, out, _ = layout_main(
         capsys,
         "--shapes",
@@ -144,9 +145,30 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
         "muon",  # Newton–Schulz owner cost; without it the cost is the numel
     )
     assert code == 0
-    assert out.count("2.949e+05") == 2 and out.count("5,120") >= 2
-    assert "imbalance (max/mean): cost 1.0000, numel 1.0000" in out
+    assert out.count("8.847e+05") == 2 and out.count("5,120") >= 2
+    assert "NS imbalance max/mean 1.0000 (numel 1.0000), 0 matrices split" in out
     assert "0 padding" in out and "1 bucket(s)" in out
+
+
+def test_layerwise_muon_shows_split_matrices_and_ns_imbalance(capsys):
+    # p0 1024x4096 costs 1024²·(2·4096 + 1024) = 1024²·9216 per iteration, p1 256x256
+    # 256²·768: whole, p0's owner does 0.995 of the work. Split in 2: 2048 columns (16 units of
+    # 128 each) and 9216/2 - 2·2048 = 512 rows of B per part, 1024²·4608 each; rank 1 also
+    # owns p1: max/mean = (4608·1024² + 768·256²) / ((9216·1024² + 768·256²) / 2) = 1.0052
+    code, out, _ = layout_main(
+        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        "--optimizer", "muon",
+    )  # fmt: skip
+    assert code == 0
+    assert "NS imbalance max/mean 1.0052" in out and "1 matrices split" in out
+    assert "p0 1024x4096: 0:2048 1:2048" in out
+    code, out, _ = layout_main(
+        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        "--optimizer", "muon", "--json",
+    )  # fmt: skip
+    (layerwise,) = json.loads(out)["buffers"]
+    split = {p["name"]: p["split"] for p in layerwise["params"]}
+    assert split == {"p0": {"ranks": [0, 1], "cols": [0, 2048, 4096]}, "p1": None}
 
 
 def test_lowered_alignment_shows_the_effective_one(capsys):
@@ -325,7 +347,7 @@ def test_python_dash_m_aligndp_layout():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "layerwise buffer" in result.stdout and "imbalance (max/mean)" in result.stdout
+    assert "layerwise buffer" in result.stdout and "owner cost imbalance max/mean" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,22 @@ def case_meshes_that_do_not_fit_are_refused_on_every_rank(rank, ws):
 # ---- parity ----
 
 
+def one_process(muon: bool) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """The reference net and torch's optimizers: AdamW on every param, or Muon on the routed
+    matrices and AdamW on the rest (the lrs parallelize gets here)."""
+    ref = (make_shaped_net if muon else make_net)()
+    named = dict(ref.named_parameters())
+    if not muon:
+        return ref, [torch.optim.AdamW(ref.parameters(), lr=1e-2)]
+    routing = route_params(ref)
+    return ref, [
+        torch.optim.Muon(
+            [named[n] for n in routing.whole], lr=0.02, adjust_lr_fn="match_rms_adamw"
+        ),
+        torch.optim.AdamW([named[n] for n in routing.adamw], lr=1e-2),
+    ]
+
+
 def train_against_one_process(
     rank: int,
     ws: int,
@@ -134,18 +150,7 @@ def train_against_one_process(
         **({"adamw_lr": 1e-2} if muon else {}),
         **kwargs,
     )
-    ref = factory()
-    named = dict(ref.named_parameters())
-    if muon:
-        routing = route_params(ref)
-        ref_opts = [
-            torch.optim.Muon(
-                [named[n] for n in routing.whole], lr=0.02, adjust_lr_fn="match_rms_adamw"
-            ),
-            torch.optim.AdamW([named[n] for n in routing.adamw], lr=1e-2),
-        ]
-    else:
-        ref_opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2)]
+    ref, ref_opts = one_process(muon)
     rel = order_tolerance(terms=ROWS * TOKENS, steps=STEPS, gain=MUON_GAIN if muon else ADAMW_GAIN)
     for step in range(STEPS):
         idx, tgt = batch(step, rank, ws, rows=ROWS)
@@ -347,19 +352,7 @@ def run_on(
 
 def reference_run(kind: str, steps: int) -> torch.nn.Module:
     """One process on the global batch, ``steps`` steps: the uninterrupted run."""
-    muon = kind.endswith("muon")
-    ref = (make_shaped_net if muon else make_net)()
-    named = dict(ref.named_parameters())
-    if muon:
-        routing = route_params(ref)
-        opts = [
-            torch.optim.Muon(
-                [named[n] for n in routing.whole], lr=0.02, adjust_lr_fn="match_rms_adamw"
-            ),
-            torch.optim.AdamW([named[n] for n in routing.adamw], lr=1e-2),
-        ]
-    else:
-        opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2)]
+    ref, opts = one_process(kind.endswith("muon"))
     for step in range(steps):
         loss_of(ref, *batch(step, rows=ROWS)).backward()
         for o in opts:

@@ -14,6 +14,7 @@ from aligndp.plan.request import PlanRequest, plan_buffers
 from aligndp.plan.routing import Routing, route_params
 from aligndp.plan.slots import BucketSlot, BufferLayout, ParamSlot
 from aligndp.plan.spec import Mode, ParamSpec, Requirement
+from aligndp.plan.split import MatrixSplit, SplitPolicy
 from aligndp.plan.validate import validate
 from aligndp.runtime.collective_backends import register_collectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
@@ -25,12 +26,14 @@ __all__ = [
     "BucketSlot",
     "DataParallel",
     "DDPConfig",
+    "MatrixSplit",
     "Mode",
     "ParamSlot",
     "ParamSpec",
     "PlanRequest",
     "Requirement",
     "Routing",
+    "SplitPolicy",
     "WholeMatrixSpec",
     "parallelize",
     "plan_request",

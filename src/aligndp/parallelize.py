@@ -28,6 +28,7 @@ from aligndp.plan.spec import (
     Requirement,
     numel_cost,
 )
+from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.runtime.mesh import data_parallel_groups
 from aligndp.user_input import check_master_weights, check_parallelize_inputs, take_torch_ddp_kwargs
@@ -73,12 +74,14 @@ def plan_request(
     grad_dtype: torch.dtype | None = None,
     start_alignment: int = DEFAULT_START_ALIGNMENT,
     muon_filter: MuonFilter | None = None,
+    split: SplitPolicy | bool | None = None,
 ) -> tuple[PlanRequest, Routing | None]:
     """The plan :func:`parallelize` asks for, and the routing of a whole-matrix optimizer.
 
     Pure in the model's shapes (a model on the meta device will do): the trainable params,
     the sharding's modes (whole-matrix params layerwise under zero1), the wgrad recipe's and
-    fused modules' requirements and the whole-matrix optimizer's owner cost.
+    fused modules' requirements and the whole-matrix optimizer's owner cost and split policy
+    (``split``: None the optimizer's, False none, or a :class:`SplitPolicy`).
     """
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
@@ -100,8 +103,24 @@ def plan_request(
         start_alignment=start_alignment,
         grad_dtype=grad_dtype,
         owner_cost=spec.cost if spec is not None else numel_cost,
+        split=_split_policy(spec, split),
     )
     return request, routing
+
+
+def _split_policy(spec: WholeMatrixSpec | None, split: SplitPolicy | bool | None):
+    if split is None or split is True:
+        return spec.split if spec is not None else None
+    if split is False:
+        return None
+    if not isinstance(split, SplitPolicy):
+        raise TypeError(
+            f"split must be None (the optimizer's policy), False or an aligndp.SplitPolicy, "
+            f"got {split!r}"
+        )
+    if spec is None or spec.split is None:
+        raise ValueError("split= shares a Muon matrix's step over ranks: use optimizer='muon'")
+    return split
 
 
 def parallelize(
@@ -140,7 +159,10 @@ def parallelize(
             go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay, ...) and
             ``adamw_<x>`` ones to AdamW (adamw_betas, adamw_weight_decay, ...). With
             ``sharding="zero1"`` each matrix is stepped whole by one owner rank (layer-wise
-            buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1.
+            buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1; ``split=``
+            (Muon: None its default policy, False never, or an ``aligndp.SplitPolicy``) lets a
+            group of ranks share one large matrix's Newton–Schulz where balance needs it
+            ([Note: split Newton–Schulz] in aligndp/plan/split.py).
         sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
         lr: learning rate; None keeps the torch optimizer's default.
         process_group: the data-parallel group (None: the default group).
@@ -209,6 +231,7 @@ def parallelize(
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
     muon_filter = optimizer_kwargs.pop("muon_filter", None) if spec is not None else None
+    split = optimizer_kwargs.pop("split", None) if spec is not None else None
     if lr is not None:
         optimizer_kwargs["lr"] = lr
     # before wrapping, what torch refuses is raised as torch raises it (a misspelt keyword)
@@ -235,6 +258,7 @@ def parallelize(
         grad_dtype=grad_dtype,
         start_alignment=start_alignment,
         muon_filter=muon_filter,
+        split=split,
     )
     config = DDPConfig(
         overlap=overlap,

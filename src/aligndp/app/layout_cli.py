@@ -296,9 +296,10 @@ def _capability(text: str) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
+def summary(layout: BufferLayout, *, asked_alignment: int, ns: bool = False) -> str:
     """Lines under the table: alignment (and who raised it) and, in layerwise mode, per-rank
-    load."""
+    load, its imbalance (``ns``: the owner cost is Muon's Newton–Schulz) and the split
+    matrices as ``rank:columns`` per part ([Note: split Newton–Schulz] in plan/split.py)."""
     lines = []
     if layout.start_alignment != asked_alignment:
         itemsizes = {layout.grad_dtype.itemsize, layout.param_dtype.itemsize}
@@ -316,10 +317,12 @@ def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
         lines.append(f"  {'rank':>4}  {'owner cost':>18}  {'owned numel':>14}")
         for rank, (cost, numel) in enumerate(zip(costs, numels)):
             lines.append(f"  {rank:>4}  {cost:>18.4g}  {numel:>14,}")
+        what = "NS imbalance max/mean" if ns else "owner cost imbalance max/mean"
         lines.append(
-            f"  imbalance (max/mean): cost {max_over_mean(costs):.4f}, "
-            f"numel {max_over_mean(numels):.4f}"
+            f"  {what} {max_over_mean(costs):.4f} (numel {max_over_mean(numels):.4f}), "
+            f"{len(layout.splits)} matrices split"
         )
+        lines += [f"    {p.name} {'x'.join(map(str, p.shape))}: {p.split}" for p in layout.splits]
     return "\n".join(lines)
 
 
@@ -365,7 +368,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         for layout in layouts:
             print(layout)
-            extra = summary(layout, asked_alignment=options.start_alignment)
+            extra = summary(
+                layout,
+                asked_alignment=options.start_alignment,
+                ns=whole_matrix_spec(options.optimizer) is not None,
+            )
             if extra:
                 print(extra)
         real, padded = padding_totals(layouts)

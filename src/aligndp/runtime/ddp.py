@@ -226,10 +226,10 @@ class DataParallel(nn.Module):
             config=config,
             collectives=self._collectives,
             rank=self.world_rank,
-            world_size=self.world_size,
             device=self.device,
             eager_zero=claim_params(self, self.params),
         )
+        self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(hook)

@@ -75,19 +75,16 @@ class GradReducer(Reduction):
         config,
         collectives: Collectives,
         rank: int,
-        world_size: int,
         device: torch.device,
         eager_zero: set[nn.Parameter],
     ) -> None:
-        """``params`` in registration order; ``config``: the model's ``DDPConfig``;
-        ``rank`` of ``world_size``: this rank among every rank of the job (the agreement's;
-        on a mesh the collectives' ``rank``/``dp_size`` are the shard group's);
-        ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
+        """``params`` in registration order; ``config``: the model's ``DDPConfig``; ``rank``: among
+        all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
         self.index, self.groups, self.config = index, list(groups), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
-        self.world_size = world_size
         self.dp_size = collectives.dp_size
+        self.world_size = self.dp_size * collectives.replicas  # the agreement's ranks
         n = len(self.params)
         self._k = {p: k for k, p in enumerate(self.params)}
         self._slots = list(index.slots.values())
@@ -326,9 +323,7 @@ class GradReducer(Reduction):
                 if not same_storage(grad, slot.view):
                     slot.view.copy_(grad.view_as(slot.view))
                 self._used[k] = True
-            else:  # own shard x dp_size, zeros elsewhere: the next mean adds the new mean to it
-                # (dp_size is the shard group's: on a mesh the replica all-reduce averages the
-                # replicas' identical old means to the old mean again)
+            else:  # own shard x dp_size (shard group's), zeros elsewhere: next mean adds to it
                 lo, hi = slot.owned.lo, slot.owned.hi
                 flat[:lo].zero_()
                 flat[hi:].zero_()
