@@ -31,6 +31,7 @@ from aligndp.plan.spec import (
     check_settings,
     numel_cost,
 )
+from aligndp.plan.split import SplitPolicy
 
 __all__ = ["SHARDINGS", "PlanRequest", "modes_for_sharding", "plan_buffers"]
 
@@ -82,6 +83,10 @@ class PlanRequest:
     """Params whose all-gather moves another dtype than their own (a 1-byte FP8 payload plus
     scales: ``parallelize(fp8_param_gather=True)``); they get buffers of their own, so every
     other param gathers as before."""
+    split: SplitPolicy | None = None
+    """Layerwise mode: when a matrix's Newton–Schulz is shared by several ranks
+    ([Note: split Newton–Schulz] in plan/split.py); None: every matrix stepped by its owner
+    alone."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tuple(self.specs))
@@ -170,6 +175,7 @@ def plan_buffers(
             grad_dtype=request.grad_dtype,
             owner_cost=request.owner_cost,
             gather_dtype=gather_dtype,
+            split=request.split,
         )
         for (mode, _, gather_dtype), group in groups.items()
     ]

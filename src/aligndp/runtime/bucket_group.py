@@ -31,7 +31,7 @@ import torch.nn as nn
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, Work
-from aligndp.runtime.gather_codec import CodedGather
+from aligndp.runtime.gather_codec import CodedGather, GatherCodec, coded_gather
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex
 from aligndp.runtime.wrapped_param import PendingWaiter, mark_pending, settle
 
@@ -85,10 +85,10 @@ class BucketGroup:
         return self.buffer.bucket_grad(self.ref.bucket)
 
     def launch_reduce(self, grad: torch.Tensor) -> None:
-        """Start the bucket's gradient mean over the ranks (in place; a no-op at dp 1)."""
+        """Start the bucket's gradient mean over the ranks (in place; a no-op on one rank)."""
         assert not self.reducing, "a bucket's gradient collective launches once per round"
         self.reducing = True
-        if self.collectives.dp_size == 1:
+        if self.collectives.dp_size == 1 and self.collectives.replicas == 1:
             self._reduce_work = None
         elif self.replicated:
             self._reduce_work = self.collectives.all_reduce_mean(grad)
@@ -136,10 +136,11 @@ class BucketGroup:
 
 
 def bucket_groups(
-    index: ParamIndex, *, collectives: Collectives, coded: CodedGather | None = None
+    index: ParamIndex, *, collectives: Collectives, codec: GatherCodec | None = None
 ) -> list[BucketGroup]:
-    """One :class:`BucketGroup` per bucket of ``index``, in launch order; ``coded``: the
-    low-precision gathers of the buckets it covers."""
+    """One :class:`BucketGroup` per bucket of ``index``, in launch order; ``codec`` encodes the
+    buckets planned with a ``gather_dtype`` ([Note: FP8 param gather] in gather_codec.py)."""
+    coded = coded_gather(index, codec, collectives=collectives)
     return [
         BucketGroup(ref, k, index, collectives=collectives, coded=coded)
         for k, ref in enumerate(index.refs)

@@ -65,16 +65,17 @@ from aligndp.plan.spec import (
     Requirement,
 )
 from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
-from aligndp.runtime.bucket_group import BucketGroup, bucket_groups
+from aligndp.runtime.bucket_group import bucket_groups
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collective_backends import (
     make_collectives,
 )
 from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
-from aligndp.runtime.gather_codec import CodedGather, GatherCodec, check_codec
+from aligndp.runtime.gather_codec import GatherCodec
 from aligndp.runtime.grad_sync import GradReducer
 from aligndp.runtime.join import Join
+from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.step_state import (
     BucketRef,
@@ -99,9 +100,10 @@ class DataParallel(nn.Module):
     replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
     ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)
-    replaces ``modes`` and the config's planning fields. ``gather_codec`` encodes the params
-    the plan gathers in a low-precision ``gather_dtype`` ([Note: FP8 param gather] in
-    gather_codec.py).
+    replaces ``modes`` and the config's planning fields. ``mesh``: a torch ``DeviceMesh``
+    instead of ``process_group`` ([Note: replicate x shard mesh] in mesh.py): ``dp_size`` and
+    ``rank`` are then the shard group's, ``process_group``/``world_size`` every rank's.
+    ``gather_codec``: how low-precision ``gather_dtype`` gathers encode ([Note: FP8 param gather]).
 
     A thin module over three parts built here once: ``index`` (the
     :class:`~aligndp.runtime.step_state.ParamIndex`), ``groups`` (one
@@ -115,6 +117,7 @@ class DataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        mesh: object | None = None,
         config: DDPConfig = _DEFAULT_CONFIG,
         modes: Mapping[str, Mode] | None = None,
         requirements: Iterable[Requirement] = (),
@@ -129,11 +132,15 @@ class DataParallel(nn.Module):
                 "torch.distributed is not initialised: call dist.init_process_group() first"
             )
         self.module = module
-        self.process_group = process_group
+        groups = data_parallel_groups(process_group, mesh)
+        self.process_group = process_group = groups.world
+        self.world_size = dist.get_world_size(process_group)
+        self.world_rank = dist.get_rank(process_group)
         self.config = config
-        self.dp_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self._collectives = make_collectives(config.collectives, group=process_group)
+        self._collectives = make_collectives(config.collectives, group=groups.shard)
+        if groups.replicas > 1:
+            self._collectives = MeshCollectives(self._collectives, groups)
+        self.dp_size, self.rank = self._collectives.dp_size, self._collectives.rank
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
@@ -181,12 +188,11 @@ class DataParallel(nn.Module):
         layouts = plan_buffers(
             plan.bind(specs, dp_size=self.dp_size, requirements=self.requirements)
         )
-        check_codec(layouts, gather_codec)
-        if self.dp_size > 1:
+        if self.world_size > 1:
             # [Note: ranks agree] in agreement.py, before any shape-dependent collective
             check_ranks_agree(module.named_parameters(), layouts, group=process_group)
             prepare_side_group(process_group)
-        if config.broadcast_at_wrap and self.dp_size > 1:
+        if config.broadcast_at_wrap and self.world_size > 1:
             self._broadcast_from_rank0()
         by_name = dict(named)
         with binding():
@@ -206,19 +212,12 @@ class DataParallel(nn.Module):
         """The one param -> (buffer, bucket, slot, owned piece) index, built here once and
         shared with the param gather and the optimizer parts."""
         self.bucket_refs: list[BucketRef] = list(self.index.refs)
-        coded = None
-        if gather_codec is not None:
-            coded = CodedGather(self.index, codec=gather_codec, collectives=self._collectives)
-        self.groups: list[BucketGroup] = bucket_groups(
-            self.index, collectives=self._collectives, coded=coded
-        )
+        self.groups = bucket_groups(self.index, collectives=self._collectives, codec=gather_codec)
         """One per bucket, in launch order: readiness, reduce and gather ([Note: bucket groups])."""
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see
         wrapped_param.WrappedParameter)."""
-        self.param_gather = ParamGather(
-            self.groups, module=module, collectives=self._collectives, coded=coded
-        )
+        self.param_gather = ParamGather(self.groups, module=module, collectives=self._collectives)
         """The order of the param all-gathers after each step; the optimizer calls into it."""
         self._joined: Join | None = None
         self._comm_hook: str | None = None
@@ -229,7 +228,7 @@ class DataParallel(nn.Module):
             names=self.param_names,
             config=config,
             collectives=self._collectives,
-            rank=self.rank,
+            rank=self.world_rank,
             device=self.device,
             eager_zero=claim_params(self, self.params),
         )
@@ -355,7 +354,7 @@ class DataParallel(nn.Module):
             )
         if self._joined is not None:
             self._joined.forward()
-        if self.config.broadcast_buffers and self.dp_size > 1:
+        if self.config.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
         if torch.is_grad_enabled():
             self.reducer._reopen()  # before autograd accumulates into a ShardedGrad

@@ -45,7 +45,7 @@ from aligndp.plan.slots import BufferLayout
 from aligndp.runtime.collectives import Collectives, Work
 from aligndp.runtime.step_state import BucketRef, ParamIndex
 
-__all__ = ["GatherCodec", "CodedGather", "check_codec"]
+__all__ = ["GatherCodec", "CodedGather", "check_codec", "coded_gather"]
 
 
 class GatherCodec(Protocol):
@@ -196,3 +196,12 @@ class CodedGather:
         data = buf.gather_data[s.start : s.end].view(self.codec.dtype)
         self.codec.decode(data, bucket.scales[i], out=out)
         return out
+
+
+def coded_gather(
+    index: ParamIndex, codec: GatherCodec | None, *, collectives: Collectives
+) -> CodedGather | None:
+    """The :class:`CodedGather` of ``index``'s buffers planned with a ``gather_dtype`` (None
+    without a codec), after :func:`check_codec`."""
+    check_codec([buf.layout for buf in index.buffers], codec)
+    return None if codec is None else CodedGather(index, codec=codec, collectives=collectives)

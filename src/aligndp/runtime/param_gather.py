@@ -50,15 +50,13 @@ class ParamGather:
         *,
         module: nn.Module,
         collectives: Collectives,
-        coded: CodedGather | None = None,
     ) -> None:
         """``groups`` (launch order) and ``collectives``: the model's; ``module``: the wrapped
-        module (its forward pre-hooks wait per module once :meth:`set_overlap` is on);
-        ``coded``: the groups' low-precision gathers, if any ([Note: FP8 param gather])."""
+        module (its forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
         self.module = module
-        self.coded = coded
-        """The low-precision gathers (None: every bucket gathers its params as they are); the
-        optimizer parts register their masters with it."""
+        self.coded: CodedGather | None = next((g.coded for g in groups if g.coded), None)
+        """The groups' low-precision gathers, if any ([Note: FP8 param gather]): the optimizer
+        parts register their masters with it."""
         self.collectives = collectives
         self.dp_size = collectives.dp_size
         self.overlap = False

@@ -160,10 +160,10 @@ class Reduction:
             stale_read=self._problems["stale_read"],
             nonfinite=nonfinite,
             rank=self.rank,
-            dp_size=self.dp_size,
+            dp_size=self.world_size,
             device=self.device,
         )
-        if self.dp_size > 1:
+        if self.world_size > 1:
             self.collectives.all_reduce_sum(local)
         return local
 
