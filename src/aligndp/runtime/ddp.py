@@ -39,8 +39,9 @@ Where a buffer's grad dtype is its params' dtype, ``forward`` (grad enabled) mak
 ``param.grad`` its ``main_grad`` view when it is None (``GradReducer.arm``, grad_sync.py), as
 torch DDP's ``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the buffer
 itself, and the post-accumulate hook only counts (identity check, its group's countdown: no
-copy, no Python work per element). The hook copies only off this path: a param whose grad dtype differs, a backward
-whose forward bypassed the wrapper, ``create_graph=True`` (autograd replaces ``param.grad``).
+copy, no Python work per element). The hook copies only off this path: a param whose grad
+dtype differs, a backward whose forward bypassed the wrapper, ``create_graph=True`` (autograd
+replaces ``param.grad``).
 Zeroing whole buffers at ``zero_grad`` writes every element once; the copy it replaces read
 and wrote them, and issued one kernel and one Python hook body per param. A param without a
 gradient in the step shows ``param.grad`` None again after the reduction, as in torch.
@@ -223,7 +224,7 @@ class DataParallel(nn.Module):
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(hook)
-            for p, hook in zip(self.params, self.reducer.hooks())
+            for p, hook in zip(self.params, self.reducer.hooks)
         ]
         gather = self.param_gather  # state_dict() reads the params: their gathers first
         self._hooks.append(
