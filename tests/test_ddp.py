@@ -151,31 +151,58 @@ def compiled_gpt_launch_order(rank: int, ws: int) -> None:
 
 @case(2)
 def case_direct_path_backward_copies_no_gradient(rank, ws):
-    """[Note: gradient as bucket view]: with fp32 params and fp32 grad buffers, autograd adds
-    straight into the views — a synchronised backward issues no more copies than plain torch's
-    (whose AccumulateGrad steals the fresh gradient), in the step after zero_grad and in the
-    next accumulating one; the reduced grads still equal torch DDP's."""
+    """[Note: gradient as bucket view] and [Note: one copy per bucket]: with fp32 params and
+    fp32 grad buffers a synchronised backward issues no more per-param copies or adds than
+    plain torch's (whose AccumulateGrad steals the fresh gradient): the first backward adds
+    into armed views, later ones keep the stolen gradients and copy each bucket's in one
+    ``_foreach_copy_`` at its launch, and an accumulating backward adds into the views; the
+    reduced grads still equal torch DDP's."""
     from torch.profiler import ProfilerActivity, profile
 
-    def copies_in_backward(model, idx, tgt) -> int:
+    def ops_in_backward(model, idx, tgt) -> tuple[int, int, int]:
+        """(tensor copies, in-place adds, both outside a ``_foreach_copy_``, and
+        ``_foreach_copy_`` calls)."""
         loss = loss_of(model, idx, tgt)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             loss.backward()
-        # tensor copies (the end-of-backward agreement builds its flags from 0-dim scalars)
-        return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.input_shapes[0])
+
+        def in_foreach(e) -> bool:
+            while e is not None:
+                if e.name == "aten::_foreach_copy_":
+                    return True
+                e = e.cpu_parent
+            return False
+
+        # the end-of-backward agreement builds its flags from 0-dim scalars: not counted
+        def count(name: str) -> int:
+            return sum(
+                1
+                for e in prof.events()
+                if e.name == name and e.input_shapes[0] and not in_foreach(e)
+            )
+
+        foreach = sum(1 for e in prof.events() if e.name == "aten::_foreach_copy_")
+        return count("aten::copy_"), count("aten::add_"), foreach
 
     ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200))
     theirs = nn.parallel.DistributedDataParallel(make_net(), bucket_cap_mb=0.001)
     plain = make_net()
-    for step in range(3):
+    buckets = len(ours.reducer.groups)
+    assert buckets > 1
+    for step in range(4):
         idx, tgt = batch(step, rank, ws)
         if step != 2:  # step 2 accumulates onto step 1's gradients
             ours.zero_grad_buffer()
             theirs.zero_grad()
             plain.zero_grad()
-        limit = copies_in_backward(plain, idx, tgt)
-        got = copies_in_backward(ours, idx, tgt)
-        assert got <= limit, f"step {step}: {got} copies in backward, plain torch {limit}"
+        plain_copies, plain_adds, _ = ops_in_backward(plain, idx, tgt)
+        copies, adds, foreach = ops_in_backward(ours, idx, tgt)
+        assert copies <= plain_copies, f"step {step}: {copies} copies, plain torch {plain_copies}"
+        if step in (1, 3):  # hinted rounds: stolen gradients, one copy per bucket
+            assert adds <= plain_adds, f"step {step}: {adds} adds, plain torch {plain_adds}"
+            assert foreach == buckets, (step, foreach, buckets)
+        else:  # the first backward (no hints) adds into armed views, step 2 onto reduced ones
+            assert foreach == 0, (step, foreach)
         loss_of(theirs, idx, tgt).backward()
         for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
             assert p.grad is p.main_grad or p.grad.data_ptr() == p.main_grad.data_ptr(), n

@@ -59,6 +59,12 @@ class BucketGroup:
         """Params still to arrive before the gradient collective may start."""
         self.reducing = False
         """The gradient collective was launched and not yet waited for."""
+        self.defer = False
+        """Its params' first gradients of a step are kept as autograd made them and copied into
+        the buffer in one ``_foreach_copy_`` at launch ([Note: one copy per bucket] in
+        grad_sync.py): set per round by the reducer from the last round's arrivals."""
+        self.deferred: list[tuple[int, torch.Tensor]] = []
+        """(param index, gradient) waiting for that copy."""
         self._reduce_work: Work | None = None
         self._gather_work: Work | None = None
         self._marked = False  # its params were marked pending by the gather in flight

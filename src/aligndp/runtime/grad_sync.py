@@ -21,6 +21,23 @@ closure bound to its ``k``, its view and its :class:`BucketGroup`. On the direct
 the hook only marks the param written and counts its group down; every other case goes
 through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
 kernel's ``mark_ready`` runs the same ``arrive`` closure.
+
+[Note: one copy per bucket]
+Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into
+the buffer: one kernel launch per param on the host, where plain torch *steals* the tensor
+the backward made (no kernel). Under ``torch.compile`` the backward's own launches are few, so
+those per-param launches were most of aligndp's extra host time (one H200, gpt2-small: 150
+elementwise kernels, 0.7 ms of GPU time and about 4 ms more host time per step than plain
+torch). So once a synchronised backward has shown which params arrive (the readiness hints),
+a bucket whose params each arrived exactly once, and whose collective therefore launches
+during backward, *defers*: its params are not armed, AccumulateGrad steals their gradients,
+the hook keeps each (``BucketGroup.deferred``), and the group's launch copies them all into
+the buffer with one ``torch._foreach_copy_`` (a few multi-tensor kernels) before its
+collective, then makes each ``param.grad`` the view, as the armed path would have. A
+deferred gradient lives until its bucket launches: at most about one bucket of extra memory,
+since only buckets that launch during backward defer (the first backward, a bucket holding a
+param unused last time, ``no_sync`` rounds and fused-wgrad params keep the armed path). Anything
+that reads a view before its launch (``param.main_grad``, the end of backward) flushes first.
 """
 
 from __future__ import annotations
@@ -145,9 +162,13 @@ class GradReducer(Reduction):
 
         def hook(param: nn.Parameter) -> None:
             r = me()
-            if r is not None and (
-                (r.state is _ACCUMULATING and param.grad is view) or r._absorb(param, k)
-            ):
+            if r is None:
+                return
+            if r.state is _ACCUMULATING and param.grad is view:
+                arrive(r, param)
+            elif group.defer and stale[k] and not fired[k] and r._defer(param, k, group):
+                arrive(r, param)  # [Note: one copy per bucket]
+            elif r._absorb(param, k):
                 arrive(r, param)
 
         return hook, arrive
@@ -165,6 +186,7 @@ class GradReducer(Reduction):
         """``param.main_grad`` for users: the view, zeroed first if stale. Touching it during a
         step counts as giving the param a gradient (it is reduced and stepped)."""
         k = self._k[param]
+        self._flush(self._group_of[k])
         self._take(k)
         if self.state is StepState.IDLE:
             self._begin_accumulating()
@@ -185,9 +207,9 @@ class GradReducer(Reduction):
     def arm(self) -> None:
         """Before a forward with grad: make every direct param's ``param.grad`` its view, so
         autograd accumulates into the buffer itself ([Note: gradient as bucket view])."""
-        armed, views = self._armed, self._views
+        armed, views, groups = self._armed, self._views, self._group_of
         for k, p in enumerate(self.params):
-            if self._direct[k] and p.grad is None:
+            if self._direct[k] and p.grad is None and not groups[k].defer:
                 p.grad = views[k]
                 armed[k] = True
 
@@ -220,6 +242,39 @@ class GradReducer(Reduction):
             param.grad = None
         self._begin_accumulating()
         return True
+
+    def _defer(self, param: nn.Parameter, k: int, group: BucketGroup) -> bool:
+        """Keep ``param``'s first gradient of the step for its group's one copy at launch
+        ([Note: one copy per bucket]); False (take the other paths) when it cannot be copied
+        as it is or the round is not one that defers."""
+        grad = param.grad
+        view = self._views[k]
+        if (
+            grad is None
+            or grad.layout is not torch.strided
+            or not self._sync_enabled
+            or self.state is StepState.REDUCED
+            or grad.dtype is not view.dtype
+            or grad.shape != view.shape
+        ):
+            return False
+        self._begin_accumulating()
+        group.deferred.append((k, grad))
+        return True
+
+    def _flush(self, group: BucketGroup) -> None:
+        """Copy the group's deferred gradients into the buffer (one ``_foreach_copy_``) and
+        make each ``param.grad`` its view."""
+        deferred, group.deferred = group.deferred, []
+        if not deferred:
+            return
+        views = self._views
+        with torch.no_grad():
+            torch._foreach_copy_([views[k] for k, _ in deferred], [g for _, g in deferred])
+        params, armed = self.params, self._armed
+        for k, _ in deferred:
+            params[k].grad = views[k]
+            armed[k] = True
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -288,6 +343,7 @@ class GradReducer(Reduction):
         for g in self.groups:
             g.countdown = len(g.params)
             g.reducing = False
+            g.deferred = []
         self._next_launch = 0
         self._launched_in_backward = 0
         self._used[:] = [False] * n

@@ -36,6 +36,7 @@ class Reduction:
 
     def _launch(self, group: BucketGroup) -> None:
         assert group.position == self._next_launch, "buckets launch in index order"
+        self._flush(group)  # [Note: one copy per bucket] in grad_sync.py
         stale, used, eager_zero = self._stale, self._used, self._eager_zero
         for slot in group.slots:
             k = slot.index
@@ -94,6 +95,9 @@ class Reduction:
         self.last_round = RoundReport(self._launched_in_backward, len(self.groups), len(used))
         if self.config.overlap:  # [Note: bucket readiness]: this round's counts are the hints
             self._expected[:] = self._fired
+            direct, expected = self._direct, self._expected
+            for g in self.groups:  # [Note: one copy per bucket] in grad_sync.py
+                g.defer = all(direct[s.index] and expected[s.index] == 1 for s in g.slots)
         self._reset_round()
         self.epoch += 1
         self.state = StepState.REDUCED
