@@ -7,7 +7,9 @@ of an FP8 variant's time), ``torchao+compile`` (torchao float8
 tensorwise with its own auto layer filter, when torchao is importable), and every aligndp recipe
 ``fp8-tensor``, ``fp8``, ``mxfp8``, eager and ``+compile``, each converting the layers its default
 rule picks ([Note: layers that pay]; ``--layers all`` converts every layer it can run, and a
-variant written ``fp8-tensor:all+compile`` sets it for that variant alone). A recipe
+variant written ``fp8-tensor:all+compile`` sets it for that variant alone); ``+nocache``
+quantises a recipe's weights in every forward ([Note: weights once per step] off), which with
+``--grad-accum 4`` shows what quantising them once per step saves. A recipe
 that converts no layer on this GPU is reported, not timed (its step is the bf16 step).
 All variants use aligndp's GPT preset, bf16 autocast, fp32 params; the aligndp ones go through
 ``aligndp.parallelize`` (fused wgrad into the grad buffer, AdamW).
@@ -23,6 +25,7 @@ Usage: ``python benchmarks/fp8_step.py --preset gpt2-small`` (and ``--preset 1b`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -84,7 +87,9 @@ def torchao_available() -> bool:
 
 def build(variant: str, args, device: torch.device):
     """(model, optimizer, note) for ``variant``; model None with a note when it is not timed."""
-    kind, _, compiled = variant.partition("+")
+    kind, *flags = variant.split("+")
+    if not set(flags) <= {"compile", "nocache"}:
+        raise SystemExit(f"variant {variant!r}: the suffixes are +compile and +nocache")
     kind, _, layers = kind.partition(":")  # fp8-tensor:all+compile: this variant's --layers
     layers = layers or args.layers
     module = build_gpt(args.preset, device, torch.float32)
@@ -118,26 +123,35 @@ def build(variant: str, args, device: torch.device):
         if all(why for _, why in plan):
             return None, None, note
         note = f"{sum(not why for _, why in plan)}/{len(plan)}|{note}"
-        convert_to_mxfp8(module, backend=backend.name, layers=layers)
+        # +nocache: [Note: weights once per step] off, a weight quantise per forward
+        convert_to_mxfp8(
+            module, backend=backend.name, layers=layers, cache_weight="nocache" not in flags
+        )
         model, opt = aligndp.parallelize(
             module, optimizer="adamw", lr=3e-4, wgrad=kind, process_group=args.process_group
         )
     else:
         raise SystemExit(f"unknown variant {variant!r}: choose from {DEFAULT_VARIANTS}")
-    if compiled:
-        if compiled != "compile":
-            raise SystemExit(f"variant {variant!r}: the only suffix is +compile")
+    if "compile" in flags:
         model = torch.compile(model, backend=args.compile_backend)
     return model, opt, note
 
 
-def step(model, opt, x, y, device_type: str) -> torch.Tensor:
-    with torch.autocast(device_type, dtype=torch.bfloat16):
-        loss = model(x, y)
-    loss.backward()
+def step(model, opt, x, y, device_type: str, accum: int = 1) -> torch.Tensor:
+    """One optimizer step over ``x``, ``y`` in ``accum`` micro-batches (all but the last under
+    ``no_sync`` where the model has it: aligndp's, also through torch.compile)."""
+    total = 0.0
+    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        last = i == accum - 1
+        quiet = getattr(model, "no_sync", None)
+        with contextlib.nullcontext() if last or quiet is None else quiet():
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                loss = model(xm, ym) / accum
+            loss.backward()
+        total = total + loss.detach()
     opt.step()
     opt.zero_grad()
-    return loss.detach()
+    return total
 
 
 def sync(device: torch.device) -> None:
@@ -157,7 +171,7 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
     if model is None:
         return
     for _ in range(args.warmup):
-        step(model, opt, *batch(), device.type)
+        step(model, opt, *batch(), device.type, args.grad_accum)
     sync(device)
     rounds, issued = [], []
     for _ in range(args.rounds):
@@ -165,7 +179,7 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
         sync(device)
         t0 = time.perf_counter()
         for x, y in xs:
-            loss = step(model, opt, x, y, device.type)
+            loss = step(model, opt, x, y, device.type, args.grad_accum)
         issued.append((time.perf_counter() - t0) / args.steps * 1e3)
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps * 1e3)
@@ -176,7 +190,7 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
 
         xs = iter([batch() for _ in range(4)])
         result.profile = profile_steps(
-            lambda: step(model, opt, *next(xs), "cuda"), steps=3, warmup=1
+            lambda: step(model, opt, *next(xs), "cuda", args.grad_accum), steps=3, warmup=1
         )
     result.loss = loss.item()
     if device.type == "cuda":
@@ -223,7 +237,8 @@ def table(args, results: dict[str, Result]) -> list[str]:
     rows = [
         f"# fp8_step {args.preset} {datetime.date.today()} on {name}, torch {torch.__version__}",
         "",
-        f"batch {args.batch} x {cfg.seq_len} tokens, bf16 autocast, fp32 params, AdamW, 1 process; "
+        f"batch {args.batch} x {cfg.seq_len} tokens in {args.grad_accum} micro-batches, "
+        "bf16 autocast, fp32 params, AdamW, 1 process; "
         f"best of {args.passes} passes of the median of {args.rounds} rounds x {args.steps} steps; "
         f"layers: {args.layers}",
         "",
@@ -251,6 +266,14 @@ def parse_args(argv=None):
     ap.add_argument("--layers", default="pays", choices=["pays", "all"])
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per step (--batch split evenly; aligndp variants under no_sync but "
+        "the last): shows the weight quantised once per step ([Note: weights once per step]); "
+        "compare a recipe with its +nocache variant",
+    )
+    ap.add_argument(
         "--passes",
         type=int,
         default=1,
@@ -276,6 +299,10 @@ def parse_args(argv=None):
         help="CPU smoke run: demo preset, batch 2, aot_eager, every layer, 1 pass of 1 x 2 steps",
     )
     args = ap.parse_args(argv)
+    if args.grad_accum < 1 or args.batch % args.grad_accum:
+        raise SystemExit(
+            f"--grad-accum {args.grad_accum} must be >= 1 and divide --batch {args.batch}"
+        )
     args.process_group = None
     if args.smoke:
         args.device, args.preset, args.batch, args.layers = "cpu", "demo", 2, "all"

@@ -4,6 +4,9 @@ GPU (the figure we report; goal: ratio <= 0.55 at dp 2):
     torchrun --nproc-per-node 2 benchmarks/muon_step.py --preset 1b
 CPU smoke run (gloo):
     torchrun --nproc-per-node 2 benchmarks/muon_step.py --preset demo --device cpu --iters 2
+``--split off`` steps every matrix on its owner alone (``parallelize(split=False)``); by
+default large matrices are shared where balance needs it ([Note: split Newton–Schulz] in
+aligndp/plan/split.py), e.g. 1b at 8 GPUs.
 
 Only the optimizer is timed, on the hidden matrices of ``GPT(PRESETS[preset])`` (64 for
 ``1b``) as routed by :func:`aligndp.plan.routing.route_params`, bf16 params on GPU:
@@ -76,12 +79,14 @@ class MuonStep:
     buckets: int
     owned: int
     """Matrices this rank steps."""
+    shared: int
+    """Split matrices this rank has a part of."""
     imbalance: float
     padding_fraction: float
 
 
 def aligndp_muon_step(
-    matrices: dict[str, torch.Tensor], timing: Timing, *, bucket_numel: int
+    matrices: dict[str, torch.Tensor], timing: Timing, *, bucket_numel: int, split: bool = True
 ) -> MuonStep:
     """Seconds per ``opt.step()`` of ``parallelize(optimizer="muon", sharding="zero1")``: owners
     step their matrices whole, then one all-gather of the layer-wise buffer."""
@@ -92,6 +97,7 @@ def aligndp_muon_step(
         lr=0.02,
         bucket_numel=bucket_numel,
         grad_dtype=torch.float32,
+        split=None if split else False,
     )
     # one real backward, so that every matrix has a reduced gradient and is stepped (a param
     # without one is skipped, as in torch); then random "reduced" gradients that every timed
@@ -108,6 +114,7 @@ def aligndp_muon_step(
         seconds,
         len(model.layouts[0].buckets),
         len(opt.parts[0].owned),
+        len(opt.parts[0].splits),
         opt.imbalance,
         opt.padding_fraction,
     )
@@ -117,6 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_common_arguments(ap)
     ap.add_argument("--bucket-numel", type=int, default=40_000_000)
+    ap.add_argument("--split", choices=["default", "off"], default="default")
     args = ap.parse_args()
 
     device, dtype = init(args.device)
@@ -135,13 +143,17 @@ def main() -> None:
     )
     torch_s = torch_muon_1gpu(matrices, timing)
     log(what="torch_muon_1gpu", ms=1e3 * torch_s)
-    r = aligndp_muon_step(matrices, timing, bucket_numel=args.bucket_numel)
+    r = aligndp_muon_step(
+        matrices, timing, bucket_numel=args.bucket_numel, split=args.split == "default"
+    )
     log(
         what="aligndp",
         ms=1e3 * r.seconds,
         dp_size=dist.get_world_size(),
         buckets=r.buckets,
         owned=r.owned,
+        shared=r.shared,
+        split=args.split,
         imbalance=round(r.imbalance, 4),
         padding_fraction=round(r.padding_fraction, 6),
     )

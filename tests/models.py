@@ -47,8 +47,10 @@ with ZeRO-1 (the case that failed at 1.49e-6 on AVX-512 + AMX against a 1e-6 bou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 from unittest import mock
 
@@ -360,15 +362,20 @@ def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     return x.T if grad.size(0) > grad.size(1) else x
 
 
+@contextlib.contextmanager
 def fp32_newton_schulz():
-    """torch's Muon runs Newton–Schulz in fp32 meanwhile (patched; both sides of a comparison)."""
-    return mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32)
+    """torch's Muon, and aligndp's split Newton–Schulz (aligndp/optim/split_ns.py), run
+    Newton–Schulz in fp32 meanwhile (patched; both sides of a comparison)."""
+    with (
+        mock.patch("torch.optim._muon._zeropower_via_newtonschulz", _newton_schulz_fp32),
+        mock.patch("aligndp.optim.split_ns.NS_DTYPE", torch.float32),
+    ):
+        yield
 
 
 # ---- a directory the ranks share ----
 if "ALIGNDP_TEST_CKPT_DIR" not in os.environ:  # the pytest process; ranks inherit the variable
     import atexit
-    import shutil
 
     os.environ["ALIGNDP_TEST_CKPT_DIR"] = tempfile.mkdtemp(prefix="aligndp-ckpt-")
     atexit.register(shutil.rmtree, os.environ["ALIGNDP_TEST_CKPT_DIR"], True)
@@ -388,3 +395,16 @@ def zero_middle(path) -> None:
     with open(path, "r+b") as f:
         f.seek(start)
         f.write(bytes(min(4096, size - start)))
+
+
+# ---- an `aligndp train` run cut short ----
+def interrupted_copy(run, out, *, checkpoint_step, last_logged_step):
+    """``out`` as a run of ``run`` killed after logging ``last_logged_step`` would leave it:
+    only the checkpoint at ``checkpoint_step`` and the metrics up to ``last_logged_step``."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "run.json", out / "run.json")
+    shutil.copy(run / "checkpoints" / "run.json", out / "checkpoints" / "run.json")
+    name = f"step-{checkpoint_step:06d}"
+    shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[: last_logged_step + 1]))

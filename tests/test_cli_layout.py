@@ -40,6 +40,7 @@ def test_flags_are_pinned():
         "--preset",
         "--shapes",
         "--dp",
+        "--replicas",
         "--mode",
         "--optimizer",
         "--wgrad",
@@ -97,9 +98,41 @@ def test_json_matches_plan_layout(capsys):
     assert [p["name"] for p in buffer["params"]] == ["p2", "p1", "p0"]
 
 
+def test_replicas_plan_for_the_shard_group(capsys):
+    """--dp 8 --replicas 2: 2 replicas of 4 ranks; the buffers are planned for the 4 ranks
+    that shard them (the run's shard group), not for all 8 (at dp 8 this buffer pads to 4,096
+    elements, at dp 4 to 3,584), and each rank sends its owned shard of every sharded bucket
+    across the replicas: 3,584 / 4 fp32 elements."""
+    shapes = ["--shapes", "40x30,30,50x40", "--mode", "sharded", "--bucket-numel", "1000"]
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    specs = [ParamSpec("p0", (40, 30)), ParamSpec("p1", (30,)), ParamSpec("p2", (50, 40))]
+    expected = plan_layout(specs, dp_size=4, mode="sharded", bucket_numel=1000)
+    assert doc["mesh"] == {"replicas": 2, "shards": 4}
+    (buffer,) = doc["buffers"]
+    assert buffer["padded_numel"] == expected.padded_numel == 3584
+    assert buffer["buckets"] == [{"start": b.start, "end": b.end} for b in expected.buckets]
+    assert len(expected.buckets) > 1
+    assert [(p["name"], p["start"], p["owner"]) for p in buffer["params"]] == [
+        (p.name, p.start, p.owner) for p in expected.params
+    ]
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
+    assert (
+        "mesh: 8 ranks (2 replicas x 4 shards): every replica holds the plan above, made for "
+        f"its 4 ranks (its shard group); each rank all-reduces {3584 // 4 * 4:,} bytes of owned "
+        "shards across the replicas per step"
+    ) in out
+    assert "dp_size=4" in out
+    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--json")
+    assert json.loads(out)["mesh"] == {"replicas": 1, "shards": 8}
+    assert json.loads(out)["buffers"][0]["padded_numel"] == 4096
+
+
 def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
-    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 64^3 + 32^3 = 294,912 and
-    # 4096 + 1024 = 5,120 elements, imbalance exactly 1.
+    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 3·(64^3 + 32^3) = 884,736
+    # (an m x m matrix: m²·(2m + m) per iteration) and 4096 + 1024 = 5,120 elements, imbalance
+    # exactly 1.
     code, out, _ = layout_main(
         capsys,
         "--shapes",
@@ -112,9 +145,30 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
         "muon",  # Newton–Schulz owner cost; without it the cost is the numel
     )
     assert code == 0
-    assert out.count("2.949e+05") == 2 and out.count("5,120") >= 2
-    assert "imbalance (max/mean): cost 1.0000, numel 1.0000" in out
+    assert out.count("8.847e+05") == 2 and out.count("5,120") >= 2
+    assert "NS imbalance max/mean 1.0000 (numel 1.0000), 0 matrices split" in out
     assert "0 padding" in out and "1 bucket(s)" in out
+
+
+def test_layerwise_muon_shows_split_matrices_and_ns_imbalance(capsys):
+    # p0 1024x4096 costs 1024²·(2·4096 + 1024) = 1024²·9216 per iteration, p1 256x256
+    # 256²·768: whole, p0's owner does 0.995 of the work. Split in 2: 2048 columns (16 units of
+    # 128 each) and 9216/2 - 2·2048 = 512 rows of B per part, 1024²·4608 each; rank 1 also
+    # owns p1: max/mean = (4608·1024² + 768·256²) / ((9216·1024² + 768·256²) / 2) = 1.0052
+    code, out, _ = layout_main(
+        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        "--optimizer", "muon",
+    )  # fmt: skip
+    assert code == 0
+    assert "NS imbalance max/mean 1.0052" in out and "1 matrices split" in out
+    assert "p0 1024x4096: 0:2048 1:2048" in out
+    code, out, _ = layout_main(
+        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        "--optimizer", "muon", "--json",
+    )  # fmt: skip
+    (layerwise,) = json.loads(out)["buffers"]
+    split = {p["name"]: p["split"] for p in layerwise["params"]}
+    assert split == {"p0": {"ranks": [0, 1], "cols": [0, 2048, 4096]}, "p1": None}
 
 
 def test_lowered_alignment_shows_the_effective_one(capsys):
@@ -198,6 +252,11 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         ([], r"exactly one of --preset or --shapes \(neither given\)"),
         (["--preset", "gpt5"], r"unknown preset 'gpt5'.*gpt2-small"),
         (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
+        (
+            ["--shapes", "4", "--dp", "4", "--replicas", "3"],
+            r"--replicas 3 does not split --dp 4 ranks \(the world size\).*use one of 1, 2, 4$",
+        ),
+        (["--shapes", "4", "--dp", "4", "--replicas", "0"], r"--replicas 0 does not split"),
         (
             ["--shapes", "4", "--bucket-numel", "0"],
             r"--bucket-numel must be a positive number.*leave it out",
@@ -288,7 +347,7 @@ def test_python_dash_m_aligndp_layout():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "layerwise buffer" in result.stdout and "imbalance (max/mean)" in result.stdout
+    assert "layerwise buffer" in result.stdout and "owner cost imbalance max/mean" in result.stdout
 
 
 @pytest.mark.parametrize(

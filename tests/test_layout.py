@@ -71,7 +71,7 @@ def test_sharded_bucket_is_a_multiple_of_dp_times_128():
 
 
 def test_layerwise_balances_two_big_and_two_small_matrices():
-    # Registration A, B (64x64: 4096 elements, cost 64^3) and C, D (32x32: 1024, cost 32^3).
+    # Registration A, B (64x64: 4096 elements, cost 3·64^3) and C, D (32x32: 1024, cost 3·32^3).
     # Layout order D, C, B, A. Greedy by cost, ties to the earlier in layout order and then to
     # the rank with least cost, fewest elements, lowest id: B -> rank 0, A -> rank 1, D -> rank 0
     # (all tied), C -> rank 1. Shards are round_up(4096 + 1024, 128) = 5120; within a shard params
@@ -92,9 +92,10 @@ def test_layerwise_balances_two_big_and_two_small_matrices():
     }
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 10_240)]
     assert layout.padding_numel == 0
-    assert layout.rank_costs() == [64.0**3 + 32.0**3] * 2 and layout.imbalance == 1.0
+    # a square m x m matrix costs m²·(2m + m) = 3m³ multiply-adds per iteration
+    assert layout.rank_costs() == [3 * (64.0**3 + 32.0**3)] * 2 and layout.imbalance == 1.0
     # the costs recorded at plan time, or any cost function given afterwards (numel here)
-    assert [p.cost for p in layout.params] == [32.0**3, 64.0**3, 32.0**3, 64.0**3]
+    assert [p.cost for p in layout.params] == [3 * 32.0**3, 3 * 64.0**3, 3 * 32.0**3, 3 * 64.0**3]
     assert layout.rank_costs(numel_cost) == [64.0**2 + 32.0**2] * 2
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import aligndp
+from aligndp.optim.muon import MUON_SPLIT
 from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode
 from tests._dist import case, make_tests
@@ -49,6 +50,10 @@ STEPS = 5
 REL = order_tolerance(terms=GLOBAL_BATCH * TOKENS, steps=STEPS, gain=MUON_GAIN)
 """fp32 Newton–Schulz against one process on the global batch's 60 token rows, STEPS steps."""
 MUON_LR, ADAMW_LR = 0.02, 0.01
+BF16_REL = MUON_GAIN * torch.finfo(torch.bfloat16).eps / 2
+"""torch's bf16 Newton–Schulz against one process: the two sides' momenta differ in fp32's last
+bits, which bf16 rounds apart in some elements; one bf16 rounding of the step (u_bf16 = 2^-8
+relative) moves the params by at most MUON_GAIN times that."""
 
 
 def backward(model, step: int, rank: int, ws: int, micro_batches: int) -> None:
@@ -109,6 +114,7 @@ def run_against_reference(
     rel=REL,
     fp32_ns=True,
     overlap_param_gather=False,
+    split=None,
 ) -> float:
     with fp32_newton_schulz() if fp32_ns else contextlib.nullcontext():
         model, opt = aligndp.parallelize(
@@ -121,7 +127,10 @@ def run_against_reference(
             bucket_numel=bucket_numel,
             max_grad_norm=max_grad_norm,
             overlap_param_gather=overlap_param_gather,
+            split=split,
         )
+        if split is not None:
+            assert_some_matrix_split(model, opt)
         return _run_against_reference(
             rank, ws, model, opt, shape, sharding, micro_batches, max_grad_norm, rel
         )
@@ -163,6 +172,58 @@ def case_zero1_matches_one_process(rank, ws):
         print(f"zero1, dp {ws}: worst relative error {worst:.2e}")
 
 
+# [Note: split Newton–Schulz]: tiny matrices split anyway. FORCED cuts every matrix over as many
+# ranks as it has rows (ws at most); BALANCED splits only what a perfect balance asks for
+FORCED = dataclasses.replace(MUON_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
+BALANCED = dataclasses.replace(FORCED, budget=None, target=1.0)
+
+
+def assert_some_matrix_split(model, opt) -> None:
+    """The plan split some matrix, and this rank holds a part exactly where the plan says."""
+    splits = {p.name: p.split for lo in model.layouts for p in lo.params if p.split is not None}
+    assert splits, "the split policy split nothing"
+    mine = {opt.parts[0].names[i] for i in opt.parts[0].splits}
+    assert mine == {n for n, s in splits.items() if model.rank in s.ranks}
+
+
+@case(2, 3, 4)
+def case_split_newton_schulz_matches_one_process(rank, ws):
+    """Matrices whose Newton–Schulz a group of ranks shares (odd widths: 515 columns cut 258 +
+    257, 172 + 172 + 171, ...) train as one process does with torch's Muon: fp32 Newton–Schulz
+    (both sides) to REL, torch's bf16 as loosely as without a split (BF16_REL: each part's
+    Gram rounds to bf16 as torch's GEMM does, and their fp32 sum rounds once more)."""
+    runs = [(HUGE, FORCED)]
+    runs += [(HUGE, BALANCED)] if ws > 2 else []  # at dp 2 no cut of 515x11 lowers the max
+    worst = max(run_against_reference(rank, ws, shape=shape, split=split) for shape, split in runs)
+    bf16 = run_against_reference(rank, ws, shape=HUGE, split=FORCED, fp32_ns=False, rel=BF16_REL)
+    if rank == 0:
+        print(f"split NS, dp {ws}: worst relative error {worst:.2e} (fp32), {bf16:.2e} (bf16)")
+
+
+@case(4)
+def case_split_newton_schulz_in_a_subgroup(rank, ws):
+    """Data parallel over the subgroups {0, 2} and {1, 3} (group ranks are not global ranks, as
+    in a mesh's shard group): each matrix's split group is found by its global ranks, and each
+    pair trains as one process on its global batch."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = pairs[rank % 2]
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    with fp32_newton_schulz():
+        model, opt = aligndp.parallelize(
+            make_net(HUGE), optimizer="muon", sharding="zero1", lr=MUON_LR, adamw_lr=ADAMW_LR,
+            bucket_numel=150, process_group=group, split=FORCED,
+        )  # fmt: skip
+        assert_some_matrix_split(model, opt)
+        ref = Reference(HUGE)
+        for step in range(3):
+            backward(model, step, me, size, 1)
+            opt.step()
+            opt.zero_grad()
+            ref.step(step)
+    for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
+        assert rel_error(p, q) <= REL, f"{n}: {rel_error(p, q):.2e}"
+
+
 @case(2, 3, 4)
 def case_none_matches_one_process(rank, ws):
     worst = max(
@@ -189,11 +250,7 @@ def case_clipping_one_global_norm(rank, ws):
 
 @case(3)
 def case_torch_bf16_newton_schulz_close_to_one_process(rank, ws):
-    # torch's bf16 Newton–Schulz: the two sides' momenta differ in fp32's last bits, which bf16
-    # rounds apart in some elements; one bf16 rounding of the step (u_bf16 = 2^-8 relative)
-    # moves the params by at most MUON_GAIN times that
-    bf16_rel = MUON_GAIN * torch.finfo(torch.bfloat16).eps / 2
-    worst = run_against_reference(rank, ws, shape=HUGE, fp32_ns=False, rel=bf16_rel)
+    worst = run_against_reference(rank, ws, shape=HUGE, fp32_ns=False, rel=BF16_REL)
     if rank == 0:
         print(f"bf16 Newton–Schulz, dp {ws}: worst relative error {worst:.2e}")
 
@@ -244,15 +301,16 @@ def case_param_groups_and_lr_scheduler(rank, ws):
     assert opt.param_groups[0]["lr"] == pytest.approx(MUON_LR / 4)
     assert opt.parts[1].inner[0].param_groups[0]["lr"] == pytest.approx(ADAMW_LR / 4)
     assert "muon" in repr(opt).lower()
-    # Newton-Schulz cost max(m, n) * min(m, n)**2, by hand: mlp.0 (37x11) and mlp.1 (11x37) cost
-    # 37 * 121 = 4477 each, mix (11x11) 1331. The balanced owners put the two 4477s on different
-    # ranks: costs 4477 + 1331 = 5808 and 4477, mean 5142.5, imbalance 5808 / 5142.5.
+    # Newton-Schulz cost m²·(2n + m) (m <= n), by hand: mlp.0 (37x11) and mlp.1 (11x37) cost
+    # 121 * 85 = 10285 each, mix (11x11) 121 * 33 = 3993. The balanced owners put the two 10285s
+    # on different ranks: costs 10285 + 3993 = 14278 and 10285, mean 12281.5; matrices this
+    # small are never split by default (parts of at least 2^24).
     owned: list[list[str]] = [None] * ws  # type: ignore[list-item]
     dist.all_gather_object(owned, [opt.parts[0].names[i] for i in opt.parts[0].owned])
-    cost = {"mlp.0.weight": 4477, "mlp.1.weight": 4477, "mix.weight": 1331}
+    cost = {"mlp.0.weight": 10285, "mlp.1.weight": 10285, "mix.weight": 3993}
     per_rank = sorted(sum(cost[n] for n in names) for names in owned)
-    assert per_rank == [4477, 5808], owned
-    assert opt.imbalance == pytest.approx(5808 / 5142.5)
+    assert per_rank == [10285, 14278], owned
+    assert opt.imbalance == pytest.approx(14278 / 12281.5) and not opt.parts[0].splits
     real = sum(p.numel() for p in model.module.parameters())
     allocated = sum(buf.grad_data.numel() for buf in model.flat_buffers)
     assert opt.padding_fraction == pytest.approx(1 - real / allocated) and allocated > real
@@ -434,14 +492,17 @@ def train(model, opt, steps: range) -> None:
     opt.gather.wait_all()
 
 
-def build(sharding: str, bucket_numel: int | None):
+def build(variant: str, bucket_numel: int | None):
+    """``variant``: a sharding, or ``"split"``: zero1 with every matrix's Newton–Schulz shared
+    (FORCED; a split is a run-time detail, the checkpoint the same)."""
     return aligndp.parallelize(
         make_net(TIED),
         optimizer="muon",
-        sharding=sharding,
+        sharding="zero1" if variant == "split" else variant,
         lr=MUON_LR,
         adamw_lr=ADAMW_LR,
         bucket_numel=bucket_numel,
+        split=FORCED if variant == "split" else None,
     )
 
 
@@ -453,8 +514,10 @@ def case_checkpoint_save(rank, ws):
         ref = Reference(TIED)
         for step in range(SAVED_AT):
             ref.step(step)
-        for sharding in ("zero1", "none"):
+        for sharding in ("zero1", "none", "split"):
             model, opt = build(sharding, bucket_numel=150)
+            if sharding == "split":
+                assert_some_matrix_split(model, opt)
             train(model, opt, range(SAVED_AT))
             for (n, p), q in zip(model.module.named_parameters(), ref.net.parameters()):
                 assert rel_error(p, q) <= REL, f"{sharding} dp {ws}: {n} before saving"
@@ -477,13 +540,15 @@ def resume_and_compare(saved_dp: int) -> None:
         ref = Reference(TIED)
         for step in range(STEPS):
             ref.step(step)
-        for saved, sharding in [("zero1", "zero1"), ("none", "zero1"), ("zero1", "none")]:
+        crossed = [("zero1", "zero1"), ("none", "zero1"), ("zero1", "none")]
+        crossed += [("split", "zero1"), ("zero1", "split")]  # momentum stays with the owner
+        for saved, sharding in crossed:
             model, opt = build(sharding, bucket_numel=None if sharding == "zero1" else 150)
             with torch.no_grad():
                 for p in model.module.parameters():
                     p.add_(1.0)
             assert aligndp.load(ckpt(f"muon-{saved}-dp{saved_dp}"), model, opt) == SAVED_AT
-            if sharding == "zero1":
+            if sharding != "none":
                 stepped = [n for n in opt.routing.whole if opt.parts[0].state_of(n)]
                 assert sorted(stepped) == sorted(opt.parts[0].names[i] for i in opt.parts[0].owned)
             train(model, opt, range(SAVED_AT, STEPS))

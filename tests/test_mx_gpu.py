@@ -323,3 +323,35 @@ def test_fp8_block_gemm_without_promotion_adds_the_unscaled_product():
     assert rel_err(out, unscaled) < 5e-4
     scaled = gluon_kernels.fp8_block_gemm(a, sa, b, sb, start.clone(), accumulate=True)
     assert rel_err(scaled, start.double() + 2.0 * (a.double() @ b.double().T)) < 5e-4
+
+
+@pytest.mark.parametrize("backend", ["triton", "fp8", "fp8-tensor"])
+def test_cached_weight_on_gpu_equals_a_quantise_per_forward(backend):
+    """[Note: weights once per step] on the GPU backends: micro-batches with the weight cached
+    (one quantise, both layouts) give the outputs and gradients of a layer quantising it per
+    forward, bit for bit, also after an optimizer step and an in-place write between
+    micro-batches; the fp8-tensor backward's grad_out workspace is reused meanwhile."""
+    import copy
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(256, 384, device=DEV, dtype=torch.bfloat16)
+    cached = MXLinear.from_linear(copy.deepcopy(lin), backend=backend)
+    plain = MXLinear.from_linear(copy.deepcopy(lin), backend=backend, cache_weight=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cached, plain)]
+    for i in range(6):
+        x = torch.randn(2, 128, 256, device=DEV, dtype=torch.bfloat16)
+        outs = []
+        for layer in (cached, plain):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.float().sin().sum().backward()
+            outs.append((y.detach(), xi.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), i
+        assert torch.equal(cached.weight.grad, plain.weight.grad), i
+        if i == 2:
+            for opt in opts:
+                opt.step()
+        if i == 4:
+            with torch.no_grad():
+                cached.weight.mul_(-1)
+                plain.weight.mul_(-1)

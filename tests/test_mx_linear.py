@@ -170,8 +170,8 @@ def test_backend_operands_saved_on_ctx_are_used_once():
     from aligndp.lowp.backends import ReferenceBackend
 
     class OwnOperands(ReferenceBackend):
-        def forward_for_backward(self, x, weight, bias=None):
-            y, x_saved = super().forward_for_backward(x, weight, bias)
+        def forward_for_backward(self, x, weight, bias=None, **kw):
+            y, x_saved = super().forward_for_backward(x, weight, bias, **kw)
             return y, ("operands", x_saved.clone())
 
         def backward_parts(self, saved, grad_out, weight, **kw):

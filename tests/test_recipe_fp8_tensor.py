@@ -9,10 +9,14 @@ gradient is one process running each rank's micro-batch through the same layer a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import aligndp
 from aligndp.app.layout_cli import add_arguments
@@ -106,6 +110,80 @@ def test_cuda_quantises_in_a_row_each_take_their_own_amax():
         assert gpu.data.data_ptr() % 256 == gpu.data_t.data_ptr() % 256 == 0
 
 
+class CountOps(TorchDispatchMode):
+    """Counts aten ops, and the ones whose result lives in a storage no input had (an
+    allocation; views and in-place ops return an input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.allocations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            a.untyped_storage().data_ptr()
+            for a in pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
+        self.ops.append(str(func))
+        self.allocations += sum(
+            o.untyped_storage().data_ptr() not in seen
+            for o in pytree.tree_leaves(out)
+            if isinstance(o, torch.Tensor)
+        )
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cpu_quantise_ops_and_allocations_per_call(dtype, transposed):
+    """[Note: quantise cost]: a quantise after the first on its device issues 6 aten ops (two
+    more for the transpose, one more for a 16-bit input's float32 copy) and allocates its
+    results (data, scale, the transpose) and one float32 intermediate; the result still
+    equals the hand-worked quantise bit for bit."""
+    from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
+
+    x = torch.randn(40, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
+    quantize_tensor(x)  # the first call on a device makes the E4M3_MAX divisor
+    with CountOps() as count:
+        q = quantize_tensor(x, transposed=transposed)
+    assert len(count.ops) == 6 + 2 * transposed + (dtype != torch.float32), count.ops
+    assert count.allocations == 3 + transposed, count.ops
+    assert sum(op.startswith("aten.empty") or "new_" in op for op in count.ops) == 0
+    assert torch.equal(q.data.float() * q.scale, by_hand(x))
+    if transposed:
+        assert torch.equal(q.data_t, q.data.t())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton quantise runs on CUDA")
+def test_cuda_quantise_launches_twice_and_reuses_its_workspace():
+    """[Note: quantise cost] on CUDA: two kernels per quantise (amax, cast); with a workspace
+    (``grad_out`` in backward) a repeated size allocates nothing and returns the same
+    storage; without one, one allocation per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
+
+    x = torch.randn(1000, 48, device="cuda")
+    workspace: dict = {}
+    first = quantize_tensor(x, transposed=True, workspace=workspace)
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        again = quantize_tensor(x * 2, transposed=True, workspace=workspace)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("amax_kernel" in k or "cast_kernel" in k for k in kernels) == 2, kernels
+    # x * 2 allocates once; the quantise into the workspace does not
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - stats == 1
+    assert again.data.data_ptr() == first.data.data_ptr()
+    assert torch.equal(again.scale.cpu(), quantize_tensor(x.cpu() * 2).scale)
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    quantize_tensor(x, transposed=True)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - stats == 1
+
+
 def test_all_zero_tensor_quantises_to_zeros():
     from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
 
@@ -188,6 +266,62 @@ def case_fused_replicated(rank, ws):
 @case(2)
 def case_fused_zero1(rank, ws):
     check_fused_grads_match_per_rank_reference("zero1", rank, ws)
+
+
+def check_cached_weights_equal_uncached(
+    sharding: str, rank: int, overlap: bool, **optimizer
+) -> None:
+    """[Note: weights once per step] under DataParallel: 2 steps of 2 micro-batches (the first
+    under ``no_sync``) give the outputs and params of the same run with ``cache_weight=False``,
+    bit for bit. The updated weights reach the layers through the all-gather (ZeRO-1; layer-wise
+    Muon on the ranks that do not own a matrix), which bumps no version counter; a
+    ``param.data =`` write between micro-batches goes through the wrapped param's copy."""
+    runs = []
+    for cache in (True, False):
+        net = make_net()
+        for m in net.modules():
+            if isinstance(m, MXLinear):
+                m.cache_weight = cache
+        model, opt = aligndp.parallelize(
+            net,
+            sharding=sharding,
+            wgrad="fp8-tensor",
+            overlap_param_gather=overlap,
+            **({"lr": 0.05} | optimizer),
+        )
+        outputs = []
+        for step in range(2):
+            for micro in range(2):
+                x, y = batch(rank, 10 * step + micro)
+                if step == 1 and micro == 1:
+                    first = next(m for m in net.modules() if isinstance(m, MXLinear))
+                    first.weight.data = first.weight.detach() * 0.5
+                sync = model.no_sync() if micro == 0 else contextlib.nullcontext()
+                with sync:
+                    out = model(x)
+                    F.cross_entropy(out, y).backward()
+                outputs.append(out.detach())
+            opt.step()
+            opt.zero_grad()
+        model.wait_for_params()
+        runs.append((outputs, [p.detach().clone() for p in net.parameters()]))
+    (out_c, params_c), (out_p, params_p) = runs
+    for i, (a, b) in enumerate(zip(out_c, out_p)):
+        assert torch.equal(a, b), f"{sharding}: forward {i} differs with the weight cache"
+    for i, (a, b) in enumerate(zip(params_c, params_p)):
+        assert torch.equal(a, b), f"{sharding}: param {i} differs with the weight cache"
+
+
+@case(2)
+def case_cached_weights_zero1(rank, ws):
+    check_cached_weights_equal_uncached("zero1", rank, overlap=False)
+    check_cached_weights_equal_uncached("zero1", rank, overlap=True)
+    check_cached_weights_equal_uncached("zero1", rank, overlap=False, optimizer="muon")
+
+
+@case(2)
+def case_cached_weights_replicated(rank, ws):
+    check_cached_weights_equal_uncached("none", rank, overlap=False)
 
 
 make_tests(globals())

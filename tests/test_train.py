@@ -19,7 +19,7 @@ from aligndp.app import cli
 from aligndp.app.train import TrainConfig, add_arguments, config_from_args
 from aligndp.app.train_loop import latest_checkpoint, lr_factor
 from aligndp.app.train_report import MetricsLog, read_metrics
-from tests.models import ADAMW_GAIN, MUON_GAIN, order_tolerance
+from tests.models import ADAMW_GAIN, MUON_GAIN, interrupted_copy, order_tolerance
 
 STEPS = 20
 COMMON = ["--steps", str(STEPS), "--batch-size", "8", "--eval-every", "10", "--seed", "3"]
@@ -98,18 +98,6 @@ def test_one_rank_and_two_ranks_see_the_same_loss_curve(one_rank, two_ranks):
     )
 
 
-def _interrupted_copy(run, out, *, checkpoint_step, last_logged_step):
-    """``out`` as a run of ``run`` killed after logging ``last_logged_step`` would leave it:
-    only the checkpoint at ``checkpoint_step`` and the metrics up to ``last_logged_step``."""
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copy(run / "run.json", out / "run.json")
-    shutil.copy(run / "checkpoints" / "run.json", out / "checkpoints" / "run.json")
-    name = f"step-{checkpoint_step:06d}"
-    shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
-    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (out / "metrics.jsonl").write_text("".join(lines[: last_logged_step + 1]))
-
-
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
     """Killed at step 13 with its last checkpoint at step 10, the run resumes at step 10 and
@@ -120,7 +108,7 @@ def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
         "step-000010",
         "step-000020",
     ]
-    _interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
+    interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
     micro = ["--micro-batches", "2"] if nproc == 2 else []
     assert _train([*COMMON, *micro, "--nproc", str(nproc), "--resume"], tmp_path) == 0
     expected = read_metrics(two_ranks / "metrics.jsonl")
@@ -133,6 +121,19 @@ def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
     else:
         assert losses == pytest.approx(reference, rel=LOSS_REL)
     assert json.loads((tmp_path / "summary.json").read_text())["start_step"] == 10
+
+
+def test_resume_on_a_replicated_mesh(two_ranks, tmp_path, capfd):
+    """The flat 2-rank run resumes on 4 ranks as 2 replicas x 2 shards with zero1 (the
+    checkpoint resharded onto a mesh): the losses of the uninterrupted run up to fp32
+    summation order."""
+    interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)
+    mesh = ["--nproc", "4", "--replicas", "2", "--sharding", "zero1"]
+    assert _train([*COMMON, *mesh, "--resume"], tmp_path) == 0
+    assert "on 4 gloo rank(s) (2 replicas x 2 shards)" in capfd.readouterr().out
+    losses = [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")[10:]]
+    reference = [r["loss"] for r in read_metrics(two_ranks / "metrics.jsonl")[10:]]
+    assert losses == pytest.approx(reference, rel=LOSS_REL)
 
 
 def _error_line(capsys):
@@ -151,6 +152,11 @@ def _error_line(capsys):
             r"equal parts.*--batch-size 8",
         ),
         (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+        (
+            ["--nproc", "4", "--replicas", "3"],
+            r"--replicas 3 does not split the 4 ranks .* into equal replicas; use one of 1, 2, 4",
+        ),
+        (["--replicas", "0"], "--replicas must be an integer >= 1, got 0"),
         (["--resume"], "holds no checkpoint; run once with --checkpoint-every N first"),
         (
             ["--wgrad", "fp8"],
@@ -304,6 +310,7 @@ def test_flags_are_pinned():
         "--lr",
         "--seed",
         "--nproc",
+        "--replicas",
         "--device",
         "--dtype",
         "--compile",

@@ -145,6 +145,19 @@ def test_unknown_optimizer_lists_the_registered_ones():
         aligndp.parallelize(make_net(), optimizer="onesided", momentum=0.9)
 
 
+def test_only_muon_may_share_a_matrix_over_ranks():
+    """Split Newton–Schulz runs Muon's algorithm (aligndp/optim/split_ns.py): another
+    optimizer given a split policy is refused when its spec is made, on every rank alike."""
+    from aligndp.optim.muon import MUON_SPLIT
+
+    with pytest.raises(ValueError, match="OneSidedShampoo cannot share a matrix's step"):
+        aligndp.WholeMatrixSpec(OneSidedShampoo, onesided_cost, split=MUON_SPLIT)
+    with pytest.raises(TypeError, match="split must be None .*, False or an aligndp.SplitPolicy"):
+        aligndp.plan_request(make_net(), optimizer="muon", sharding="zero1", split="yes")
+    request, _ = aligndp.plan_request(make_net(), optimizer="muon", sharding="zero1", split=False)
+    assert request.split is None
+
+
 def test_owners_balance_the_registered_cost():
     """dp 2, four 128-element matrices in one bucket, each rank room for two. By hand, with
     cost m³ + m²n: A 64x2 = 270,336, C 16x8 = 6,144, D 8x16 = 1,536, B 2x64 = 264. Greedy

@@ -14,9 +14,11 @@ from aligndp.plan.request import PlanRequest, plan_buffers
 from aligndp.plan.routing import Routing, route_params
 from aligndp.plan.slots import BucketSlot, BufferLayout, ParamSlot
 from aligndp.plan.spec import Mode, ParamSpec, Requirement
+from aligndp.plan.split import MatrixSplit, SplitPolicy
 from aligndp.plan.validate import validate
 from aligndp.runtime.collective_backends import register_collectives
 from aligndp.runtime.ddp import DataParallel, DDPConfig
+from aligndp.runtime.mesh import replica_mesh
 from aligndp.state.checkpoint import load, save
 
 __all__ = [
@@ -24,18 +26,21 @@ __all__ = [
     "BucketSlot",
     "DataParallel",
     "DDPConfig",
+    "MatrixSplit",
     "Mode",
     "ParamSlot",
     "ParamSpec",
     "PlanRequest",
     "Requirement",
     "Routing",
+    "SplitPolicy",
     "WholeMatrixSpec",
     "parallelize",
     "plan_request",
     "register_collectives",
     "register_recipe",
     "register_whole_matrix",
+    "replica_mesh",
     "route_params",
     "load",
     "save",

@@ -28,7 +28,9 @@ from aligndp.plan.spec import (
     Requirement,
     numel_cost,
 )
+from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel, DDPConfig
+from aligndp.runtime.mesh import data_parallel_groups
 from aligndp.user_input import check_master_weights, check_parallelize_inputs, take_torch_ddp_kwargs
 
 __all__ = ["parallelize", "plan_request", "SHARDINGS"]
@@ -40,6 +42,13 @@ def _wgrad_requirements(wgrad: str | None) -> list[Requirement]:
     from aligndp.lowp.recipes import wgrad_requirements
 
     return wgrad_requirements("none" if wgrad is None else wgrad)
+
+
+def _shard_size(process_group: dist.ProcessGroup | None, mesh: object | None) -> int:
+    """The plan's dp_size: the ranks that shard among themselves (a mesh's shard dim)."""
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(data_parallel_groups(process_group, mesh).shard)
 
 
 def _use_fused_kernels(model: nn.Module, opt_class: type, optimizer_kwargs: dict) -> bool:
@@ -65,12 +74,14 @@ def plan_request(
     grad_dtype: torch.dtype | None = None,
     start_alignment: int = DEFAULT_START_ALIGNMENT,
     muon_filter: MuonFilter | None = None,
+    split: SplitPolicy | bool | None = None,
 ) -> tuple[PlanRequest, Routing | None]:
     """The plan :func:`parallelize` asks for, and the routing of a whole-matrix optimizer.
 
     Pure in the model's shapes (a model on the meta device will do): the trainable params,
     the sharding's modes (whole-matrix params layerwise under zero1), the wgrad recipe's and
-    fused modules' requirements and the whole-matrix optimizer's owner cost.
+    fused modules' requirements and the whole-matrix optimizer's owner cost and split policy
+    (``split``: None the optimizer's, False none, or a :class:`SplitPolicy`).
     """
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
@@ -92,8 +103,24 @@ def plan_request(
         start_alignment=start_alignment,
         grad_dtype=grad_dtype,
         owner_cost=spec.cost if spec is not None else numel_cost,
+        split=_split_policy(spec, split),
     )
     return request, routing
+
+
+def _split_policy(spec: WholeMatrixSpec | None, split: SplitPolicy | bool | None):
+    if split is None or split is True:
+        return spec.split if spec is not None else None
+    if split is False:
+        return None
+    if not isinstance(split, SplitPolicy):
+        raise TypeError(
+            f"split must be None (the optimizer's policy), False or an aligndp.SplitPolicy, "
+            f"got {split!r}"
+        )
+    if spec is None or spec.split is None:
+        raise ValueError("split= shares a Muon matrix's step over ranks: use optimizer='muon'")
+    return split
 
 
 def parallelize(
@@ -103,6 +130,7 @@ def parallelize(
     sharding: str = "none",
     lr: float | None = None,
     process_group: dist.ProcessGroup | None = None,
+    mesh: object | None = None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     wgrad: str | None = None,
     grad_dtype: torch.dtype | None = None,
@@ -131,9 +159,17 @@ def parallelize(
             go to Muon (momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay, ...) and
             ``adamw_<x>`` ones to AdamW (adamw_betas, adamw_weight_decay, ...). With
             ``sharding="zero1"`` each matrix is stepped whole by one owner rank (layer-wise
-            buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1.
+            buffers, owners balanced by the optimizer's cost) and AdamW is ZeRO-1; ``split=``
+            (Muon: None its default policy, False never, or an ``aligndp.SplitPolicy``) lets a
+            group of ranks share one large matrix's Newton–Schulz where balance needs it
+            ([Note: split Newton–Schulz] in aligndp/plan/split.py).
         sharding: ``"none"`` (replicated, plain DDP) or ``"zero1"`` (sharded optimizer state).
         lr: learning rate; None keeps the torch optimizer's default.
+        process_group: the data-parallel group (None: the default group).
+        mesh: instead of ``process_group``, a torch ``DeviceMesh`` over every rank: 1-D (the
+            same as its group) or 2-D with dims named ``("replicate", "shard")``: sharded
+            modes shard over the shard dim and all-reduce each owned shard across the
+            replicate dim ([Note: replicate x shard mesh] in aligndp/runtime/mesh.py).
         bucket_numel: elements per bucket (default 40 M, as everywhere); None: one bucket per
             buffer.
         wgrad: a registered wgrad recipe (``aligndp.lowp.recipe_names()``: ``"none"``,
@@ -195,6 +231,7 @@ def parallelize(
     found = resolve_optimizer(optimizer)
     spec = found if isinstance(found, WholeMatrixSpec) else None
     muon_filter = optimizer_kwargs.pop("muon_filter", None) if spec is not None else None
+    split = optimizer_kwargs.pop("split", None) if spec is not None else None
     if lr is not None:
         optimizer_kwargs["lr"] = lr
     # before wrapping, what torch refuses is raised as torch raises it (a misspelt keyword)
@@ -215,12 +252,13 @@ def parallelize(
         model,
         optimizer=optimizer,
         sharding=sharding,
-        dp_size=dist.get_world_size(process_group) if dist.is_initialized() else 1,
+        dp_size=_shard_size(process_group, mesh),
         bucket_numel=bucket_numel,
         wgrad=wgrad,
         grad_dtype=grad_dtype,
         start_alignment=start_alignment,
         muon_filter=muon_filter,
+        split=split,
     )
     config = DDPConfig(
         overlap=overlap,
@@ -234,7 +272,7 @@ def parallelize(
         collectives=collectives,
     )
     groups = resolve_param_groups(model, param_groups)
-    ddp = DataParallel(model, process_group=process_group, config=config, plan=request)
+    ddp = DataParallel(model, process_group=process_group, mesh=mesh, config=config, plan=request)
     gather = {"max_grad_norm": max_grad_norm, "overlap_param_gather": overlap_param_gather}
     masters = master_weights is not False  # None: zero1's default, fp32 masters
     if spec is None and sharding == "zero1":

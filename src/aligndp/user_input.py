@@ -234,7 +234,8 @@ def take_torch_ddp_kwargs(
         if getattr(mesh, "ndim", None) != 1:
             raise ValueError(
                 f"device_mesh= must be a 1-D DeviceMesh (the data-parallel dimension), got "
-                f"{mesh!r}: pass process_group=mesh.get_group('dp') for a mesh of several"
+                f"{mesh!r}: pass it as mesh= (aligndp's replicate x shard mesh), or "
+                "process_group=mesh.get_group('dp') for a mesh of several"
             )
         process_group = mesh.get_group()
     mb = taken.get("bucket_cap_mb")

@@ -6,6 +6,10 @@ costs and where each param lands before a run, e.g.::
 
     python -m aligndp layout --preset 1b --dp 8 --mode layerwise --wgrad mxfp8 --png layout.png
 
+``--replicas R`` plans as ``aligndp train --replicas R`` runs: ``--dp`` stays the job's rank
+count and the buffers are planned for one replica's ``--dp / R`` ranks (the shard group of
+[Note: replicate x shard mesh]); every replica holds that layout.
+
 [Note: one plan request] (aligndp/plan/request.py): the command builds its request with
 :func:`aligndp.parallelize.plan_request`, the function ``parallelize()`` builds the run's
 with, and plans it with the same :func:`~aligndp.plan.request.plan_buffers` the
@@ -24,6 +28,7 @@ import os
 import torch
 import torch.nn as nn
 
+from aligndp.app.train_config import check_replicas, describe_mesh
 from aligndp.lowp.recipes import recipe_names
 from aligndp.optim.registry import known_optimizers, whole_matrix_spec
 from aligndp.parallelize import plan_request
@@ -62,7 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         help="comma-separated shapes in registration order, e.g. '768x2304,2304,50257x768'",
     )
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel ranks of the job, all replicas together: the world size, as "
+        "aligndp train counts --nproc (default 1)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas of the job, as aligndp train --replicas: the plan is made for one "
+        "replica's --dp / --replicas ranks (the shard group), and every replica holds it "
+        "(default 1: one flat group)",
+    )
     parser.add_argument(
         "--mode",
         choices=[m.value for m in Mode],
@@ -124,7 +143,10 @@ class LayoutOptions:
     model: nn.Module
     """The params to plan, on the meta device (a preset or ``--shapes``), in the param dtype."""
     dp_size: int = 1
-    """Data-parallel ranks the buffers are sharded over."""
+    """Data-parallel ranks of the job (the world size, every replica's ranks)."""
+    replicas: int = 1
+    """Replicas the ranks form ([Note: replicate x shard mesh]): buffers are sharded over
+    ``dp_size / replicas`` ranks, the same layout in every replica."""
     mode: Mode = Mode.REPLICATED
     """replicated: ``sharding="none"``; sharded / layerwise: ``sharding="zero1"`` (layerwise
     without a whole-matrix optimizer: every param in a layer-wise buffer)."""
@@ -150,6 +172,9 @@ class LayoutOptions:
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
+        check_replicas(
+            self.replicas, self.dp_size, ranks=f"--dp {self.dp_size} ranks (the world size)"
+        )
         check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
 
     def request(self) -> PlanRequest:
@@ -158,7 +183,7 @@ class LayoutOptions:
             self.model,
             optimizer=self.optimizer,
             sharding="none" if self.mode is Mode.REPLICATED else "zero1",
-            dp_size=self.dp_size,
+            dp_size=self.shard_size,
             bucket_numel=self.bucket_numel,
             wgrad=self.wgrad,
             grad_dtype=self.grad_dtype,
@@ -167,6 +192,11 @@ class LayoutOptions:
         if self.mode is Mode.LAYERWISE and whole_matrix_spec(self.optimizer) is None:
             request = dataclasses.replace(request, mode=Mode.LAYERWISE, modes={})
         return request
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one replica shards over: the plan's ``dp_size``, as the run's shard group."""
+        return self.dp_size // self.replicas
 
     def plan(self) -> list[BufferLayout]:
         return plan_buffers(self.request())
@@ -246,6 +276,7 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
     return LayoutOptions(
         model=model,
         dp_size=args.dp,
+        replicas=args.replicas,
         mode=Mode.parse(args.mode),
         optimizer=args.optimizer,
         wgrad=args.wgrad,
@@ -265,9 +296,10 @@ def _capability(text: str) -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
+def summary(layout: BufferLayout, *, asked_alignment: int, ns: bool = False) -> str:
     """Lines under the table: alignment (and who raised it) and, in layerwise mode, per-rank
-    load."""
+    load, its imbalance (``ns``: the owner cost is Muon's Newton–Schulz) and the split
+    matrices as ``rank:columns`` per part ([Note: split Newton–Schulz] in plan/split.py)."""
     lines = []
     if layout.start_alignment != asked_alignment:
         itemsizes = {layout.grad_dtype.itemsize, layout.param_dtype.itemsize}
@@ -285,11 +317,29 @@ def summary(layout: BufferLayout, *, asked_alignment: int) -> str:
         lines.append(f"  {'rank':>4}  {'owner cost':>18}  {'owned numel':>14}")
         for rank, (cost, numel) in enumerate(zip(costs, numels)):
             lines.append(f"  {rank:>4}  {cost:>18.4g}  {numel:>14,}")
+        what = "NS imbalance max/mean" if ns else "owner cost imbalance max/mean"
         lines.append(
-            f"  imbalance (max/mean): cost {max_over_mean(costs):.4f}, "
-            f"numel {max_over_mean(numels):.4f}"
+            f"  {what} {max_over_mean(costs):.4f} (numel {max_over_mean(numels):.4f}), "
+            f"{len(layout.splits)} matrices split"
         )
+        lines += [f"    {p.name} {'x'.join(map(str, p.shape))}: {p.split}" for p in layout.splits]
     return "\n".join(lines)
+
+
+def replicas_line(layouts: list[BufferLayout], replicas: int) -> str:
+    """What a mesh adds: the plan above is each replica's (identical in all of them), and each
+    rank all-reduces its owned shards across the replicas once per step."""
+    shard = layouts[0].dp_size if layouts else 1
+    owned = sum(
+        sum(b.end - b.start for b in lo.buckets) // lo.dp_size * lo.grad_dtype.itemsize
+        for lo in layouts
+        if lo.mode is not Mode.REPLICATED
+    )
+    return (
+        f"mesh: {shard * replicas} ranks{describe_mesh(replicas, shard * replicas)}: every "
+        f"replica holds the plan above, made for its {shard} ranks (its shard group); each rank "
+        f"all-reduces {owned:,} bytes of owned shards across the replicas per step"
+    )
 
 
 def _png_path(path: str) -> str:
@@ -313,11 +363,16 @@ def run(args: argparse.Namespace) -> int:
     png = _png_path(args.png) if args.png else None
     layouts = options.plan()
     if args.json:
-        print(json.dumps({"buffers": [layout.to_dict() for layout in layouts]}))
+        mesh = {"replicas": options.replicas, "shards": options.shard_size}
+        print(json.dumps({"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}))
     else:
         for layout in layouts:
             print(layout)
-            extra = summary(layout, asked_alignment=options.start_alignment)
+            extra = summary(
+                layout,
+                asked_alignment=options.start_alignment,
+                ns=whole_matrix_spec(options.optimizer) is not None,
+            )
             if extra:
                 print(extra)
         real, padded = padding_totals(layouts)
@@ -327,6 +382,8 @@ def run(args: argparse.Namespace) -> int:
             f"({percent:.3f}% padding) in {len(layouts)} buffer(s), "
             f"{sum(len(layout.buckets) for layout in layouts)} bucket(s)"
         )
+        if options.replicas > 1:
+            print(replicas_line(layouts, options.replicas))
         conversion = options.conversion()
         if conversion:
             print(conversion)

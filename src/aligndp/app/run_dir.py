@@ -3,8 +3,9 @@
 [Note: run directories]
 ``aligndp train`` writes ``run.json`` into ``--out`` (and into the checkpoint directory):
 a run id and the options that define the run's numbers (:data:`IDENTITY`: model, data,
-batch, optimizer, schedule, seed; not the rank count, micro-batches or sharding, which a
-resumed run may change). Then:
+batch, optimizer, schedule, seed; not the rank count, mesh shape (``--replicas``),
+micro-batches or sharding, which a resumed run may change: a checkpoint holds model-space
+values, read back at any of them). Then:
 - a fresh run into an ``--out`` (or checkpoint directory) that holds a run refuses, unless
   ``--overwrite``, which deletes only the files ``aligndp train`` writes there;
 - ``--resume`` continues only a run with the same identity, naming the options that differ;
@@ -55,6 +56,7 @@ MAY_CHANGE_ON_RESUME = (
     "micro_batches",
     "sharding",
     "nproc",
+    "replicas",
     "device",
     "eval_every",
     "checkpoint_dir",

@@ -3,7 +3,9 @@
 With no arguments it trains the CPU demo GPT on the embedded synthetic language on 2 gloo
 ranks that it starts itself through torch's elastic launcher. Inside a process started by
 ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it trains on that process group instead:
-``torchrun --nproc-per-node 8 -m aligndp train --device cuda`` uses NCCL.
+``torchrun --nproc-per-node 8 -m aligndp train --device cuda`` uses NCCL, and on several
+nodes ``--replicas R`` shards inside each of R replicas (a node's ranks) and replicates across
+them (``aligndp.replica_mesh``).
 
 The options are the fields of :class:`TrainConfig`; the argparse flags are generated from it
 (the field docstrings are the help texts). The loop itself lives in ``train_loop.py``, the
@@ -198,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        train(config_from_args(args))
+        world = int(os.environ["WORLD_SIZE"]) if _inside_torchrun() else None
+        train(config_from_args(args, world_size=world))
     except SignalException as e:  # the launcher turns SIGINT/SIGTERM into this
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

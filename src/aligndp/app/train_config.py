@@ -18,7 +18,7 @@ from typing import Literal
 from aligndp.lowp.recipes import recipe_names
 from aligndp.models.gpt import PRESETS
 
-__all__ = ["TrainConfig", "add_arguments", "config_from_args"]
+__all__ = ["TrainConfig", "add_arguments", "check_replicas", "config_from_args", "describe_mesh"]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
@@ -57,6 +57,12 @@ class TrainConfig:
     """Seeds the model's initialisation and the order of the data."""
     nproc: int = 2
     """Ranks to launch on this machine (ignored inside torchrun, which sets the world size)."""
+    replicas: int = 1
+    """Replicas of the job: the ranks form a (replicas, ranks / replicas) DeviceMesh, the
+    optimizer is sharded inside each replica (consecutive ranks: one node under torchrun) and
+    each owned shard's gradient is all-reduced across replicas (--sharding none all-reduces
+    over every rank either way). It changes the communication, not the maths, and must divide
+    the rank count; 1: one flat group (no mesh)."""
     device: Device = "cpu"
     """cpu trains on gloo ranks; cuda on NCCL ranks, one GPU each."""
     dtype: Dtype = "fp32"
@@ -98,6 +104,7 @@ class TrainConfig:
             ("batch_size", 1),
             ("micro_batches", 1),
             ("nproc", 1),
+            ("replicas", 1),
             ("eval_every", 0),
             ("checkpoint_every", 0),
             ("keep_last", 0),
@@ -121,6 +128,11 @@ class TrainConfig:
                     f"--{_flag(field.name)} {getattr(self, field.name)!r} is not one of "
                     f"{', '.join(choices)}"
                 )
+        check_replicas(
+            self.replicas,
+            self.nproc,
+            ranks=f"the {self.nproc} ranks (--nproc, or torchrun's world size)",
+        )
         parts = self.nproc * self.micro_batches
         if self.batch_size % parts:
             raise ValueError(
@@ -199,5 +211,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+def config_from_args(args: argparse.Namespace, *, world_size: int | None = None) -> TrainConfig:
+    """The config the flags give; ``world_size``: torchrun's, which replaces ``--nproc``
+    before the checks that depend on the rank count (batch split, ``--replicas``) run."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    if world_size is not None:
+        values["nproc"] = world_size
+    return TrainConfig(**values)
+
+
+def check_replicas(replicas: int, world_size: int, *, ranks: str) -> None:
+    """Refuse (one-line ValueError) a ``--replicas`` that does not split ``world_size`` ranks,
+    called ``ranks`` in the message, into equal replicas, naming the counts that would."""
+    if replicas >= 1 and world_size % replicas == 0:
+        return
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    raise ValueError(
+        f"--replicas {replicas} does not split {ranks} into equal replicas; use one of "
+        f"{', '.join(map(str, divisors))}"
+    )
+
+
+def describe_mesh(replicas: int, world_size: int) -> str:
+    """``" (2 replicas x 2 shards)"`` for 4 ranks in 2 replicas, to follow a rank count;
+    ``""`` for one replica (the flat group, whose output stays as it was)."""
+    if replicas == 1:
+        return ""
+    shards = world_size // replicas
+    return f" ({replicas} replicas x {shards} shard{'s' if shards > 1 else ''})"

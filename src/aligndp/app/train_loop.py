@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import aligndp
 from aligndp.app.data import BatchSpec, TokenData
-from aligndp.app.train_config import TrainConfig
+from aligndp.app.train_config import TrainConfig, describe_mesh
 from aligndp.app.train_report import (
     MetricsLog,
     Progress,
@@ -177,6 +177,11 @@ class _Job:
     peak_lrs: list[float]
     """Each optimizer param group's lr as built (see _set_lr)."""
 
+    @property
+    def replicas(self) -> int:
+        """Replicas as the model built its groups: the world over its shard group's size."""
+        return self.dp_size // self.model.dp_size
+
     def autocast(self):
         if self.config.dtype == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -211,12 +216,16 @@ def _setup(config: TrainConfig) -> _Job:
             convert_to_mxfp8(module, backend=backend, layers=config.wgrad_layers)
         if rank == 0:
             print(describe_plan(config.wgrad, plan), flush=True)
+    # --replicas: a (R, world / R) mesh, row-major, so a replica is consecutive ranks (one node
+    # under torchrun); one replica passes no mesh, so the flat path stays as it was
+    mesh = aligndp.replica_mesh(config.replicas, device.type) if config.replicas > 1 else None
     model, optimizer = aligndp.parallelize(
         module,
         optimizer=config.optimizer,
         sharding=config.sharding,
         lr=config.lr,
         wgrad=config.wgrad,
+        mesh=mesh,
     )
     if config.compile:
         compile_blocks(module)
@@ -335,6 +344,7 @@ def _train(config: TrainConfig) -> dict:
         steps=config.steps,
         start_step=start_step,
         dp_size=job.dp_size,
+        replicas=job.replicas,
         vocab_size=PRESETS[config.preset].vocab_size,
         train_loss=train_loss,
         eval_loss=eval_loss,
@@ -354,7 +364,8 @@ def _print_header(job: _Job, start_step: int) -> None:
     resumed = f", resuming at step {start_step}" if start_step else ""
     print(
         f"aligndp train: preset {config.preset} ({numel:,} params) on {job.dp_size} {backend} "
-        f"rank(s), {config.optimizer}, sharding {config.sharding}; global batch "
+        f"rank(s){describe_mesh(job.replicas, job.dp_size)}, {config.optimizer}, sharding "
+        f"{config.sharding}; global batch "
         f"{config.batch_size} x {cfg.seq_len} tokens in {config.micro_batches} micro-batch(es); "
         f"data: {job.data.name} ({len(job.data):,} tokens); {config.steps} steps{resumed}",
         flush=True,

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from aligndp.app.train_config import describe_mesh
+
 __all__ = [
     "MetricsLog",
     "Progress",
@@ -127,6 +129,10 @@ class Summary:
     steps: int
     start_step: int
     dp_size: int
+    """Ranks of the job (the world size)."""
+    replicas: int
+    """Replicas the ranks form (``--replicas``, as the model built its groups); each shards
+    over ``dp_size / replicas`` ranks."""
     vocab_size: int
     """Tokens in the model's vocabulary (ln of it is the loss of a uniform guess)."""
     first_loss: float
@@ -151,8 +157,8 @@ class Summary:
         )
         if self.start_step < self.steps:
             trained = (
-                f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s) "
-                f"in {self.wall_s:.1f} s"
+                f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s)"
+                f"{describe_mesh(self.replicas, self.dp_size)} in {self.wall_s:.1f} s"
             )
         else:
             trained = (

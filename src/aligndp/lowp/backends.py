@@ -189,11 +189,26 @@ class WgradBackend(abc.ABC):
         self.check(target.view, grad_out, x)
         put_wgrad(target, self.wgrad(grad_out, x))
 
+    def quantize_weight(self, weight: torch.Tensor) -> object | None:
+        """``weight`` as both of its GEMMs (forward and dgrad) read it, for the weight cache of
+        :class:`aligndp.lowp.MXLinear` ([Note: weights once per step] in linear.py), or None:
+        this backend reads the weight per call and has nothing worth caching (the default).
+        Whatever it returns is handed back as ``weight_q`` to :meth:`forward_for_backward` and
+        :meth:`backward_parts`, which then must not quantise the weight again; nothing may
+        write into it afterwards (several micro-batches' backwards may hold it)."""
+        return None
+
     def forward_for_backward(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        weight_q: object | None = None,
     ) -> tuple[torch.Tensor, object]:
         """``(forward(x, weight) + bias, saved)``, ``saved`` being what :meth:`backward` needs of
-        this call. The default adds the bias in the output's dtype and saves ``x`` itself (a
+        this call; ``weight_q``: :meth:`quantize_weight` of ``weight``, when the caller keeps
+        one. The default adds the bias in the output's dtype and saves ``x`` itself (a
         tensor: :class:`aligndp.lowp.MXLinear` keeps it with ``save_for_backward``); backends that
         quantise each operand once, for both of its GEMMs, save those operands instead, and
         may add the bias in their GEMM's epilogue."""
@@ -208,6 +223,7 @@ class WgradBackend(abc.ABC):
         *,
         need_dgrad: bool,
         need_wgrad: bool,
+        weight_q: object | None = None,
     ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
         """``(grad_x, parts)`` for one :meth:`forward_for_backward` call: the input gradient
         (None unless ``need_dgrad``) and the tensors :meth:`wgrad_from_parts` makes the weight
@@ -241,12 +257,18 @@ class WgradBackend(abc.ABC):
         need_dgrad: bool,
         need_wgrad: bool,
         target: GradTarget | None,
+        weight_q: object | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(grad_x, grad_w)`` for one :meth:`forward_for_backward` call, None where not needed.
         With a ``target`` (a view of the grad buffer) the wgrad goes into it as it says, after
         the checks of :meth:`check`, and ``grad_w`` is None."""
         grad_x, parts = self.backward_parts(
-            saved, grad_out, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad
+            saved,
+            grad_out,
+            weight,
+            need_dgrad=need_dgrad,
+            need_wgrad=need_wgrad,
+            weight_q=weight_q,
         )
         grad_w = None
         if parts is not None:
@@ -265,11 +287,34 @@ class ReferenceBackend(WgradBackend):
         """``t`` through the recipe's E4M3 blocks along ``dim`` and back, as float32."""
         return dequantize_mxfp8(quantize_mxfp8(t, dim=dim, block_size=self.block), dim=dim)
 
+    def _weight_for_dgrad(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight through blocks along out-features, dgrad's contraction dim."""
+        return self._mx(weight, 0)
+
+    def quantize_weight(self, weight):
+        """The weight through its blocks along in-features (forward) and out-features (dgrad),
+        dequantised: float32, both layouts."""
+        return self._mx(weight, -1), self._weight_for_dgrad(weight)
+
     def forward(self, x, weight):
         return (self._mx(x, -1) @ self._mx(weight, -1).T).to(x.dtype)
 
     def dgrad(self, grad_out, weight):
-        return (self._mx(grad_out, -1) @ self._mx(weight, 0)).to(grad_out.dtype)
+        return (self._mx(grad_out, -1) @ self._weight_for_dgrad(weight)).to(grad_out.dtype)
+
+    def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
+        if weight_q is None:
+            return super().forward_for_backward(x, weight, bias)
+        y = (self._mx(x, -1) @ weight_q[0].T).to(x.dtype)
+        return (y if bias is None else y + bias.to(y.dtype)), x
+
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
+        if weight_q is None or not need_dgrad:
+            return super().backward_parts(
+                saved, grad_out, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad
+            )
+        grad_x = (self._mx(grad_out, -1) @ weight_q[1]).to(grad_out.dtype)
+        return grad_x, ((grad_out, saved.to(grad_out.dtype)) if need_wgrad else None)
 
     def wgrad(self, grad_out, x):
         block = self.block

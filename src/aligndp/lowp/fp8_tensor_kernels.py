@@ -7,7 +7,9 @@ to ±448 and cast to E4M3, written row-major and, when asked, transposed as well
 that wants the other layout needs no separate transpose of the FP8 tensor).
 
 Host cost per quantise ([Note: compiled MX layers] removes it under torch.compile): two
-launches and one allocation. The amax scalar is a per-device workspace that is never zeroed by
+launches (the floor for current scaling: [Note: quantise cost] in recipe_fp8_tensor.py) and
+one allocation, none where the caller passes a workspace (``grad_out``, used up within its
+backward). The amax scalar is a per-device workspace that is never zeroed by
 a launch of its own: each cast program takes a ticket (``atomic_add``, acquire-release, after
 its read of the amax), and the program that takes the last ticket sets the amax and the ticket
 back to 0 for the next quantise on the stream. The FP8 data, its transpose and the scale share
@@ -111,11 +113,12 @@ def _workspace(device_index: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_per_tensor(
-    x: torch.Tensor, *, transposed: bool
+    x: torch.Tensor, *, transposed: bool, workspace: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t, scale)`` of a contiguous 2-D CUDA tensor: E4M3 ``q`` (rows, cols), its
     transpose ``q_t`` (cols, rows) when ``transposed`` (else None), and the float32 0-d scale
-    ``amax / 448`` with ``q * scale ≈ x``."""
+    ``amax / 448`` with ``q * scale ≈ x``. With a ``workspace`` dict the three live in its
+    buffer for this size (made on first use), which the next call of the same size rewrites."""
     assert x.is_cuda and x.dim() == 2 and x.is_contiguous(), "internal: 2-D contiguous CUDA"
     m, n = x.shape
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -128,7 +131,11 @@ def quantize_per_tensor(
     # torch-op path under torch.compile need the same pick)
     numel_256 = triton.cdiv(m * n, 256) * 256
     end = numel_256 * (2 if transposed else 1)
-    buf = torch.empty(end + 4, dtype=torch.uint8, device=x.device)
+    buf = None if workspace is None else workspace.get((x.device, end))
+    if buf is None:
+        buf = torch.empty(end + 4, dtype=torch.uint8, device=x.device)
+        if workspace is not None:
+            workspace[(x.device, end)] = buf
     scale = buf[end:].view(torch.float32).view(())
     q = buf[: m * n].view(torch.float8_e4m3fn).view(m, n)
     q_t = q

@@ -10,18 +10,44 @@ in :mod:`aligndp.plan.fused`. With a sink bound and a view available, backward a
 the weight's dtype; written rather than added when the view holds nothing yet), returns no
 weight gradient (so no ``param.grad`` is allocated) and calls
 ``sink.mark_ready(weight)``. The bias gradient always flows through plain autograd.
+
+[Note: weights once per step]
+The weight changes once per optimizer step, but a step of ``k`` micro-batches (``no_sync`` or
+plain gradient accumulation) runs ``k`` forwards. So an eager layer keeps its weight as the
+backend quantised it (:meth:`~aligndp.lowp.backends.WgradBackend.quantize_weight`: payload and
+scales, every layout its forward and dgrad read) and quantises again only when the weight may
+have changed. The cache is keyed on what can tell: the weight object and its storage (weakly:
+``param.data = t`` and ``layer.weight = p`` give a new storage, and a freed storage can never
+match again even if its address is reused), its storage offset, shape, strides and dtype, its
+version counter (bumped by every in-place write through the param or a view of it: the
+optimizer's step, ``with torch.no_grad(): w.add_(...)``, ``load_state_dict``), and the grad
+sink's :meth:`~aligndp.plan.fused.GradSink.param_writes` (the DataParallel's all-gathers, which
+write the params' storage without bumping their counters; ``param.data = t`` after wrapping is
+a copy that bumps it). A write through ``param.data`` (``w.data.add_(...)``) is invisible to
+the version counter, as it is to autograd's saved-tensor check: call
+:meth:`MXLinear.drop_quantised_weight` after one, or build the layer with
+``cache_weight=False``. Cached tensors are never written again (a change makes new ones), so
+the backwards of earlier micro-batches that still hold them read what their forward read.
+The price is memory: the quantised weight stays allocated from one step to the next (for
+``fp8-tensor`` 2 bytes per element, both layouts) instead of from forward to backward only;
+the stale one is dropped before its successor is made, so no step holds two.
+Under ``torch.compile`` there is no cache: the quantise is in the graph, where Inductor fuses
+it with its neighbours, and a cached tensor handed in through an opaque op would be an
+Inductor buffer it may reuse in place; one quantise per forward is the compiled cost.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.layer_rule import capability_of, slow_reason
-from aligndp.lowp.ops import fused_wgrad, register_layer
+from aligndp.lowp.ops import compiling, fused_wgrad, register_layer
 from aligndp.lowp.recipe import Recipe
 from aligndp.lowp.recipes import get_backend, get_recipe
 from aligndp.plan.fused import GradSink
@@ -41,10 +67,11 @@ class _MXLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         backend: WgradBackend,
         sink: GradSink | None,
+        weight_q: object | None,
     ):
         x2d = x.reshape(-1, x.shape[-1])  # (tokens, in)
         with torch.autocast(x.device.type, enabled=False):  # the backends pick their own precisions
-            y, saved = backend.forward_for_backward(x2d, weight, bias)
+            y, saved = backend.forward_for_backward(x2d, weight, bias, weight_q=weight_q)
         # the weight goes through save_for_backward for autograd's in-place-modification check;
         # a backend's quantised operands (not inputs or outputs of this node) ride on ctx
         if isinstance(saved, torch.Tensor):
@@ -53,7 +80,7 @@ class _MXLinearFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(weight)
             ctx.saved_operands = saved
-        ctx.backend, ctx.sink = backend, sink
+        ctx.backend, ctx.sink, ctx.weight_q = backend, sink, weight_q
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -67,11 +94,12 @@ class _MXLinearFunction(torch.autograd.Function):
             )
         # free the operands now, not when the graph is collected (the loss may outlive backward)
         ctx.saved_operands = None
-        backend, sink = ctx.backend, ctx.sink
+        backend, sink, weight_q = ctx.backend, ctx.sink, ctx.weight_q
+        ctx.weight_q = None
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # (tokens, out)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x, parts = backend.backward_parts(
-            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad
+            saved, dy, weight, need_dgrad=need_dgrad, need_wgrad=need_wgrad, weight_q=weight_q
         )
         if grad_x is not None:
             grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
@@ -84,7 +112,29 @@ class _MXLinearFunction(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         grad_b = dy.sum(0, dtype=torch.float32) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _CachedWeight(NamedTuple):
+    """One layer's quantised weight and what it was quantised from
+    ([Note: weights once per step])."""
+
+    weight: weakref.ref
+    storage: weakref.ref
+    key: tuple
+    quantised: object
+
+
+def _weight_key(weight: torch.Tensor, sink: GradSink | None) -> tuple:
+    writes = getattr(sink, "param_writes", None)
+    return (
+        weight._version,
+        weight.storage_offset(),
+        tuple(weight.shape),
+        weight.stride(),
+        weight.dtype,
+        writes() if writes is not None else 0,
+    )
 
 
 class MXLinear(nn.Linear):
@@ -93,7 +143,8 @@ class MXLinear(nn.Linear):
 
     ``in_features`` and ``out_features`` must be multiples of the recipe's
     ``layer_dim_multiple`` (32 for MXFP8, the MX block), since each is the contraction dim of
-    one GEMM. Implements :class:`aligndp.plan.fused.FusedWgradModule`.
+    one GEMM. Implements :class:`aligndp.plan.fused.FusedWgradModule`. ``cache_weight``: keep
+    the quantised weight until the weight changes ([Note: weights once per step]).
     """
 
     def __init__(
@@ -103,6 +154,7 @@ class MXLinear(nn.Linear):
         bias: bool = True,
         *,
         backend: str | WgradBackend = "reference",
+        cache_weight: bool = True,
         device=None,
         dtype=None,
     ):
@@ -118,10 +170,17 @@ class MXLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.backend = backend
         self._grad_sink: GradSink | None = None
+        self.cache_weight = cache_weight
+        """Keep the quantised weight until the weight changes ([Note: weights once per step])."""
+        self._cached: _CachedWeight | None = None
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, backend: str | WgradBackend = "reference"
+        cls,
+        linear: nn.Linear,
+        *,
+        backend: str | WgradBackend = "reference",
+        cache_weight: bool = True,
     ) -> MXLinear:
         """An MXLinear sharing ``linear``'s parameter objects (optimizers built on them keep
         working)."""
@@ -130,6 +189,7 @@ class MXLinear(nn.Linear):
             linear.out_features,
             linear.bias is not None,
             backend=backend,
+            cache_weight=cache_weight,
             device="meta",
         )
         new.weight = linear.weight
@@ -145,12 +205,58 @@ class MXLinear(nn.Linear):
         if sink is not None:  # findable in a compiled backward ([Note: compiled MX layers])
             register_layer(self)
 
+    # ---- [Note: weights once per step] ----
+    def quantised_weight(self) -> object | None:
+        """The backend's quantised form of the weight's current values
+        (:meth:`~aligndp.lowp.backends.WgradBackend.quantize_weight`), from the cache when the
+        weight has not changed since it was made; None where the backend caches nothing."""
+        weight, cached = self.weight, self._cached
+        key = _weight_key(weight, self._grad_sink)
+        if (
+            cached is not None
+            and cached.key == key
+            and cached.weight() is weight
+            and cached.storage() is weight.untyped_storage()
+        ):
+            return cached.quantised
+        self._cached = None  # the stale bytes go before the new ones are made
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            quantised = self.backend.quantize_weight(weight)
+        self.set_quantised_weight(quantised)
+        return quantised
+
+    def set_quantised_weight(self, quantised: object) -> None:
+        """Hand the layer the weight's current values already quantised, in the form
+        :meth:`~aligndp.lowp.backends.WgradBackend.quantize_weight` of its backend returns
+        (e.g. FP8 bytes and scales that an all-gather delivered): forwards use it until the
+        weight changes. Call it after the weight's values (and their version) are final; the
+        tensors must not be written afterwards."""
+        weight = self.weight
+        key = _weight_key(weight, self._grad_sink)
+        storage = weakref.ref(weight.untyped_storage())
+        self._cached = _CachedWeight(weakref.ref(weight), storage, key, quantised)
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied without the cache (weak references do not pickle; a copy's
+        weight is another tensor anyway)."""
+        return {**self.__dict__, "_cached": None}
+
+    def drop_quantised_weight(self) -> None:
+        """Forget the cached quantised weight (after a write through ``weight.data``, which
+        torch's version counter does not see)."""
+        self._cached = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             # as nn.Linear under autocast: input, output and bias add in the autocast dtype
             # (the weight is quantised from its own dtype, so it needs no cast)
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return _MXLinearFunction.apply(x, self.weight, self.bias, self.backend, self._grad_sink)
+        weight_q = None
+        if self.cache_weight and not compiling():
+            weight_q = self.quantised_weight()
+        return _MXLinearFunction.apply(
+            x, self.weight, self.bias, self.backend, self._grad_sink, weight_q
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend.name}"
@@ -204,6 +310,7 @@ def convert_to_mxfp8(
     filter: Callable[[str, nn.Linear], bool] | None = None,
     backend: str | WgradBackend = "reference",
     layers: str = "pays",
+    cache_weight: bool = True,
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules of ``model`` (in place) for :class:`MXLinear`; return ``model``.
 
@@ -213,7 +320,8 @@ def convert_to_mxfp8(
     path, with one warning); ``layers="all"`` every layer the recipe can run
     (:meth:`~aligndp.lowp.recipe.Recipe.converts`); ``filter(name, module) -> bool`` replaces
     both (``name`` as in ``named_modules``). Parameters are reused, so state_dict keys and
-    optimizers are unchanged; model code is not touched.
+    optimizers are unchanged; model code is not touched. ``cache_weight``: each layer keeps its
+    quantised weight until the weight changes ([Note: weights once per step]).
     """
     backend = get_backend(backend)
     if filter is None:
@@ -225,5 +333,6 @@ def convert_to_mxfp8(
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MXLinear.from_linear(module, backend=backend))
+        new = MXLinear.from_linear(module, backend=backend, cache_weight=cache_weight)
+        setattr(parent, child, new)
     return model

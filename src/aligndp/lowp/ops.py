@@ -123,7 +123,13 @@ def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor]):
 
 
 def _quantize_rc(
-    x: torch.Tensor, block: int, mx: bool, rowwise: bool, colwise: bool, one: bool = True
+    x: torch.Tensor,
+    block: int,
+    mx: bool,
+    rowwise: bool,
+    colwise: bool,
+    one: bool = True,
+    workspace: dict | None = None,
 ) -> list[torch.Tensor]:
     from aligndp.lowp.recipe import ScaleFormat
     from aligndp.lowp.triton_kernels import quantize_rows_and_columns
@@ -135,6 +141,7 @@ def _quantize_rc(
         rowwise=rowwise,
         colwise=colwise,
         one_allocation=one,  # a custom op's outputs may not share storage
+        workspace=workspace,
     )
     return [t for op in (row, col) if op is not None for t in op]
 
@@ -168,12 +175,21 @@ def _(x, block, mx, rowwise, colwise):
     return out
 
 
-def quantize_rc(x: torch.Tensor, *, block: int, mx: bool, rowwise: bool, colwise: bool):
-    """``quantize_rows_and_columns`` as ``(row, col)`` pairs ``(data, scale_t)`` or None."""
+def quantize_rc(
+    x: torch.Tensor,
+    *,
+    block: int,
+    mx: bool,
+    rowwise: bool,
+    colwise: bool,
+    workspace: dict | None = None,
+):
+    """``quantize_rows_and_columns`` as ``(row, col)`` pairs ``(data, scale_t)`` or None; into
+    ``workspace``'s operands in eager (a compiled graph allocates its own)."""
     if compiling():
         flat = iter(torch.ops.aligndp.quantize_rc(x, block, mx, rowwise, colwise))
     else:
-        flat = iter(_quantize_rc(x, block, mx, rowwise, colwise))
+        flat = iter(_quantize_rc(x, block, mx, rowwise, colwise, workspace=workspace))
     return tuple((next(flat), next(flat)) if wanted else None for wanted in (rowwise, colwise))
 
 

@@ -15,6 +15,22 @@ quantised once, and the pass that casts it also writes the transposed layout its
 wants (:mod:`aligndp.lowp.fp8_tensor_kernels` on CUDA). cuBLASLt's FP8 GEMM needs 16-byte
 aligned output pointers and dims that are multiples of 16. The recipe is this module (the
 recipe and its one backend) and its kernel module.
+
+[Note: quantise cost]
+What one eager quantise costs the host, per operand. CPU (also the reference of the CUDA path):
+6 aten ops (8 with the transpose, one more for a 16-bit input's float32 copy); it allocates
+its results (data, transpose, and the scale, which is the amax's own storage) and, for a
+float32 input, one float32 intermediate (a 16-bit input's float32 copy is divided in place);
+the ``E4M3_MAX`` divisor is made once per device. CUDA: two launches and at most one
+allocation, none for ``grad_out``, which the backward quantises into a workspace it uses up
+before the next backward (``x`` and the weight are saved for backward or cached, so they get
+storage of their own). Two launches are the floor for current scaling: no element can be
+cast before the whole tensor's amax is known, a grid-wide reduction, and Triton has no
+grid-wide barrier (a persistent kernel spinning on a global counter deadlocks unless every
+program is resident, which nothing guarantees). The ways below two change where the amax
+comes from: the previous op (Inductor fuses it there under torch.compile) or the previous
+step (delayed scaling: other numerics, so not the default). The weight pays its two launches
+once per step ([Note: weights once per step] in linear.py).
 """
 
 from __future__ import annotations
@@ -59,22 +75,44 @@ class Quantized(NamedTuple):
         return Quantized(data_t, self.scale, self.data)
 
 
-def quantize_tensor(t: torch.Tensor, *, transposed: bool = False) -> Quantized:
+_E4M3_MAX_ON: dict[torch.device, torch.Tensor] = {}
+"""A 0-d float32 ``E4M3_MAX`` per device, made once (eager only: a compiled graph makes its
+own constant)."""
+
+
+def _e4m3_max(like: torch.Tensor) -> torch.Tensor:
+    if compiling():
+        return like.new_full((), E4M3_MAX)
+    const = _E4M3_MAX_ON.get(like.device)
+    if const is None:
+        const = _E4M3_MAX_ON[like.device] = like.new_full((), E4M3_MAX)
+    return const
+
+
+def quantize_tensor(
+    t: torch.Tensor, *, transposed: bool = False, workspace: dict | None = None
+) -> Quantized:
     """``t`` (2-D) as E4M3 with one scale ``max|t| / 448``; with ``transposed``, its transpose
     too. CUDA, eager: two Triton passes (:mod:`aligndp.lowp.fp8_tensor_kernels`) writing both
-    layouts; elsewhere, and under torch.compile, torch ops with the same maths."""
+    layouts, into ``workspace``'s buffer for the size when given (the result is overwritten by
+    the next quantise of that size into it: only for operands used up before then); elsewhere,
+    and under torch.compile, torch ops with the same maths. Cost: [Note: quantise cost]."""
     if t.is_cuda and not compiling():
         from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
 
-        data, data_t, scale = quantize_per_tensor(t.contiguous(), transposed=transposed)
+        data, data_t, scale = quantize_per_tensor(
+            t.contiguous(), transposed=transposed, workspace=workspace
+        )
         return Quantized(data, scale, data_t)
     # torch ops: on CPU, and under torch.compile, where Inductor fuses the amax and the cast
     # with their neighbours ([Note: compiled MX layers] in ops.py)
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
     # divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
     # multiply by its reciprocal, one bit off the Triton kernel's (and the CPU's) IEEE division
-    scale = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
-    data = (t.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = amax.clamp_(min=AMAX_FLOOR).div_(_e4m3_max(amax))
+    # a 16-bit t's float32 copy is ours to divide in place; a float32 t is the caller's
+    wide = t / scale if t.dtype == torch.float32 else t.float().div_(scale)
+    data = wide.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return Quantized(data, scale, data.t().contiguous() if transposed else None)
 
 
@@ -104,6 +142,14 @@ class TensorScaledBackend(WgradBackend):
     name = "fp8-tensor"
     scale_formats = (TensorScale.FP32_PER_TENSOR,)
 
+    def __init__(self, recipe: Recipe, *, name: str | None = None):
+        super().__init__(recipe, name=name)
+        self._grad_out_buffers: dict = {}
+        """CUDA buffers of quantised ``grad_out`` by size, reused by every backward of this
+        backend: the dgrad and the wgrad (:meth:`wgrad_from_parts`, right after in the same
+        backward) use them up before the next layer's backward writes them again; stream order
+        does the rest. Never ``x`` or the weight, which outlive their call."""
+
     def forward(self, x, weight):
         return self.forward_for_backward(x, weight)[0]
 
@@ -117,17 +163,22 @@ class TensorScaledBackend(WgradBackend):
         xq = quantize_tensor(x, transposed=True).t()
         return _mm(g, xq, torch.float32, fast=False)
 
-    def forward_for_backward(self, x, weight, bias=None):
+    def quantize_weight(self, weight):
+        """Both layouts: row-major for forward, transposed for dgrad."""
+        return quantize_tensor(weight, transposed=True)
+
+    def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         # each operand once, in both layouts: x for forward and (transposed) wgrad, the weight
-        # for forward and (transposed) dgrad
-        xq, wq = quantize_tensor(x, transposed=True), quantize_tensor(weight, transposed=True)
+        # for forward and (transposed) dgrad (or the layer's cached weight, quantised once)
+        xq = quantize_tensor(x, transposed=True)
+        wq = weight_q if weight_q is not None else self.quantize_weight(weight)
         bias = None if bias is None else bias.to(x.dtype)
         return _mm(xq, wq, x.dtype, fast=True, bias=bias), _Saved(xq, wq)
 
-    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
         if not (need_dgrad or need_wgrad):
             return None, None
-        g = quantize_tensor(grad_out, transposed=need_wgrad)
+        g = quantize_tensor(grad_out, transposed=need_wgrad, workspace=self._grad_out_buffers)
         grad_x = _mm(g, saved.weight.t(), grad_out.dtype, fast=False) if need_dgrad else None
         if not need_wgrad:
             return grad_x, None

@@ -59,17 +59,37 @@ class TritonBackend(WgradBackend):
     name = "triton"
     scale_formats = (ScaleFormat.E8M0, ScaleFormat.FP32)
 
+    def __init__(self, recipe, *, name: str | None = None):
+        super().__init__(recipe, name=name)
+        self._grad_out_buffers: dict = {}
+        """Quantised ``grad_out`` operands by shape, reused by every backward of this backend:
+        the dgrad and the wgrad (right after, in the same backward) use them up before the
+        next layer's backward writes them again; stream order does the rest. Never ``x`` or
+        the weight, which outlive their call."""
+
     @property
     def _mx(self) -> bool:
         return self.recipe.scale_format is ScaleFormat.E8M0
 
     def _quantize(
-        self, t: torch.Tensor, *, rowwise: bool = True, colwise: bool = True
+        self,
+        t: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        colwise: bool = True,
+        workspace: dict | None = None,
     ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
         """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
-        (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for."""
+        (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for. Into
+        ``workspace``'s operands when given (only for operands used up before the next
+        quantise of that shape)."""
         pairs = quantize_rc(
-            _pad_2d(t, self.block), block=self.block, mx=self._mx, rowwise=rowwise, colwise=colwise
+            _pad_2d(t, self.block),
+            block=self.block,
+            mx=self._mx,
+            rowwise=rowwise,
+            colwise=colwise,
+            workspace=workspace,
         )
         return tuple(None if p is None else QuantizedOperand(*p) for p in pairs)
 
@@ -123,19 +143,25 @@ class TritonBackend(WgradBackend):
                 accumulate=target.accumulate,
             )
 
-    def forward_for_backward(self, x, weight, bias=None):
+    def quantize_weight(self, weight):
+        """Its rows (forward) and columns (dgrad), in one pass."""
+        return self._quantize(weight)
+
+    def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         x_row, x_col = self._quantize(x)
-        w_row, w_col = self._quantize(weight)
+        w_row, w_col = weight_q if weight_q is not None else self._quantize(weight)
         y = self._gemm(
             x_row, w_row, x.shape[0], weight.shape[0], x.dtype, bias=bias
         )  # bias in the epilogue
         return y, _Saved(x_col, w_col, x.shape[0], x.shape[1], weight.shape[0])
 
-    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad):
+    def backward_parts(self, saved, grad_out, weight, *, need_dgrad, need_wgrad, weight_q=None):
         x_col, w_col, tokens, n_in, n_out = saved
         if not (need_dgrad or need_wgrad):  # only the bias wants a gradient
             return None, None
-        dy_row, dy_col = self._quantize(grad_out, rowwise=need_dgrad, colwise=need_wgrad)
+        dy_row, dy_col = self._quantize(
+            grad_out, rowwise=need_dgrad, colwise=need_wgrad, workspace=self._grad_out_buffers
+        )
         grad_x = self._gemm(dy_row, w_col, tokens, n_in, grad_out.dtype) if need_dgrad else None
         parts = (*dy_col, *x_col) if need_wgrad else None
         return grad_x, parts

@@ -94,9 +94,21 @@ _FP8 = {
 }
 
 
-def _operand(data_shape, scale_shape, elem_dtype, scale_dtype, device, one) -> QuantizedOperand:
+def _operand(
+    data_shape, scale_shape, elem_dtype, scale_dtype, device, one, workspace=None, role=""
+) -> QuantizedOperand:
     """Empty data and scales, in one allocation (``one``: the scales 256-byte aligned after the
-    data) or two."""
+    data) or two; the one made for this ``role`` and shape on an earlier call when
+    ``workspace`` (a dict) holds it (a square tensor's rows and columns have equal shapes, so
+    the role keeps them apart)."""
+    key = (role, device, tuple(data_shape), tuple(scale_shape), elem_dtype, scale_dtype, one)
+    if workspace is not None:
+        made = workspace.get(key)
+        if made is None:
+            made = workspace[key] = _operand(
+                data_shape, scale_shape, elem_dtype, scale_dtype, device, one
+            )
+        return made
     if not one:
         return QuantizedOperand(
             torch.empty(data_shape, dtype=elem_dtype, device=device),
@@ -121,6 +133,7 @@ def quantize_rows_and_columns(
     impl: str = "auto",
     tile: int = 64,
     one_allocation: bool = True,
+    workspace: dict | None = None,
 ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
     """Row-wise and/or column-wise quantisation of a 2-D CUDA tensor in one read.
 
@@ -132,6 +145,9 @@ def quantize_rows_and_columns(
     (a multiple of ``block``) is the square tile of the plain-Triton kernel.
     ``one_allocation``: each operand's data and scales share one allocation (False: two, as a
     custom op's outputs must not share storage).
+    ``workspace``: a dict whose operands of these shapes are reused (made on first use): the
+    next quantise of the same shape into it overwrites the result, so only for operands used
+    up before then (``grad_out`` in backward).
     """
     if x.ndim != 2 or not x.is_cuda or x.shape[0] % block or x.shape[1] % block:
         raise ValueError(
@@ -155,8 +171,11 @@ def quantize_rows_and_columns(
     # per call. The layouts stay apart because they live apart (forward keeps only the column
     # one of x and the weight for backward).
     one, dev = one_allocation, x.device
-    row = _operand((M, N), (N // block, M), elem_dtype, scale_dtype, dev, one) if rowwise else None
-    col = _operand((N, M), (M // block, N), elem_dtype, scale_dtype, dev, one) if colwise else None
+    row = col = None
+    if rowwise:
+        row = _operand((M, N), (N // block, M), elem_dtype, scale_dtype, dev, one, workspace, "row")
+    if colwise:
+        col = _operand((N, M), (M // block, N), elem_dtype, scale_dtype, dev, one, workspace, "col")
     if use_gluon:
         _gluon.quantize(
             x, row, col, block=block, scale_format=scale_format, out=out, emax=emax, fp8_max=fp8_max

@@ -128,8 +128,8 @@ def global_grad_norm(
     """
     sums = list(local_sq_sums)
     total = torch.stack([s.float() for s in sums]).sum() if sums else torch.zeros(())
-    if collectives.dp_size > 1:
-        collectives.all_reduce_sum(total)
+    if collectives.dp_size > 1:  # one copy of each piece: the shard group, not the replicas
+        collectives.all_reduce_owned_sum(total)
     return total.sqrt()
 
 

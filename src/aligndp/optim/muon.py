@@ -13,8 +13,16 @@ from collections.abc import Sequence
 import torch
 
 from aligndp.optim.whole_matrix import WholeMatrixSpec
+from aligndp.plan.split import SplitPolicy, wide
 
-__all__ = ["MUON", "MUON_DEFAULTS", "MUON_OPTIONS", "newton_schulz_cost"]
+__all__ = [
+    "MUON",
+    "MUON_DEFAULTS",
+    "MUON_OPTIONS",
+    "MUON_SPLIT",
+    "newton_schulz_cost",
+    "newton_schulz_part_cost",
+]
 
 MUON_OPTIONS = (
     "lr",
@@ -30,16 +38,31 @@ MUON_OPTIONS = (
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> float:
-    """Estimated flops-proportional cost of orthogonalising a param of ``shape``.
+    """Multiply-adds of one Newton–Schulz iteration on a param of ``shape`` (the flops a rank
+    spends; every iteration alike, so the count of iterations drops out of a balance).
 
-    One Newton–Schulz iteration on an m×n matrix costs O(max(m,n)·min(m,n)²) (the Gram
-    matrix and its products are min×min). Params that are not 2-D are not orthogonalised by
-    Muon; they count their numel so that they still spread across ranks.
+    In the wide orientation (m <= n): ``A = X Xᵀ`` is m²n, ``A·A`` m³ and ``B X`` m²n, so
+    ``m²·(2n + m)``. Params that are not 2-D are not orthogonalised by Muon; they count their
+    numel so that they still spread across ranks.
     """
     if len(shape) == 2:
-        m, n = shape
-        return float(max(m, n) * min(m, n) ** 2)
+        m, n = wide(shape)
+        return float(m * m * (2 * n + m))
     return float(math.prod(shape))
+
+
+def newton_schulz_part_cost(shape: Sequence[int], cols: int, rows: int) -> float:
+    """Multiply-adds of one part of a split Newton–Schulz iteration
+    ([Note: split Newton–Schulz] in plan/split.py): its ``cols`` columns' share of ``X Xᵀ``
+    and ``B X`` (m²·cols each) and its ``rows`` rows of ``A·A`` (m²·rows). The parts of a
+    matrix add up to :func:`newton_schulz_cost`: splitting moves flops, it adds none."""
+    m, _ = wide(shape)
+    return float(m * m * (2 * cols + rows))
+
+
+MUON_SPLIT = SplitPolicy(newton_schulz_part_cost)
+"""Muon's default split policy: split what balance needs (target max/mean 1.05), parts of at
+least 128 columns and 2^24 multiply-adds."""
 
 
 MUON_DEFAULTS = (("adjust_lr_fn", "match_rms_adamw"),)
@@ -54,6 +77,10 @@ RMS of an AdamW update, so one AdamW-sized lr serves both; it is aligndp's defau
 ``muon_lr=0.02`` is Keller Jordan's two-lr setting."""
 
 MUON = WholeMatrixSpec(
-    torch.optim.Muon, cost=newton_schulz_cost, options=MUON_OPTIONS, defaults=MUON_DEFAULTS
+    torch.optim.Muon,
+    cost=newton_schulz_cost,
+    options=MUON_OPTIONS,
+    defaults=MUON_DEFAULTS,
+    split=MUON_SPLIT,
 )
 """Muon on the hidden 2-D matrices (the default selector), AdamW on the rest."""

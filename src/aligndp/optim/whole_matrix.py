@@ -36,8 +36,10 @@ import torch.nn as nn
 from aligndp.optim.composite import BucketStepped, OptimizerPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
 from aligndp.optim.sharded import keeps_fp32_master, refresh_master
+from aligndp.optim.split_ns import SplitMatrix
 from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
+from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.runtime.step_state import ReducedGrads
@@ -71,6 +73,9 @@ class WholeMatrixSpec:
     """True when ``step()`` may be called once per bucket (state kept per param, as torch's
     optimizers do), so each bucket's all-gather overlaps the next bucket's step; False: one
     ``step()`` over every owned param (e.g. an optimizer counting steps per group)."""
+    split: SplitPolicy | None = None
+    """When one matrix's step is shared by several ranks ([Note: split Newton–Schulz] in
+    plan/split.py; Muon only: aligndp/optim/split_ns.py runs it); None: never."""
 
     def __post_init__(self) -> None:
         if not (
@@ -83,6 +88,11 @@ class WholeMatrixSpec:
             )
         if not callable(self.cost):
             raise TypeError(f"cost must be a function shape -> float, got {self.cost!r}")
+        if self.split is not None and not issubclass(self.optimizer_class, torch.optim.Muon):
+            raise ValueError(
+                f"{self.name} cannot share a matrix's step over ranks (split Newton–Schulz runs "
+                "torch.optim.Muon's algorithm, aligndp/optim/split_ns.py): give split=None"
+            )
 
     @property
     def name(self) -> str:
@@ -185,6 +195,21 @@ class WholeMatrixPart(OptimizerPart):
             (ref, [index[id(p)] for p in model.index.members[ref] if id(p) in index])
             for ref in model.index.refs_of(Mode.LAYERWISE)
         ]
+        # [Note: split Newton–Schulz]: this rank's side of every matrix it shares, its groups
+        # made here in bucket order (the same order on every rank). The plan's ranks are those
+        # of the collectives' group (a mesh's shard group; ``process_group`` may be wider)
+        self.splits: dict[int, SplitMatrix] = {}
+        for _, members in self._buckets:
+            for i in members:
+                split = model.index.slots[self.params[i]].slot.split
+                if split is not None and split.part_of(model.rank) is not None:
+                    self.splits[i] = SplitMatrix(
+                        self.params[i].shape,
+                        split,
+                        model.rank,
+                        model.collectives.group,
+                        model.device,
+                    )
 
     @property
     def owned(self) -> list[int]:
@@ -235,17 +260,35 @@ class WholeMatrixPart(OptimizerPart):
         )
 
     def _step(self, members: list[int], grads: dict[int, torch.Tensor]) -> None:
-        """Step ``members`` that have a gradient; cast their masters back into ``param_data``."""
-        mine = [i for i in members if i in grads]
+        """Step ``members`` that have a gradient (the shared ones with their groups, the rest
+        by the torch optimizer); cast their masters back into ``param_data``."""
+        reduced = self._prepared  # every rank agrees on which params have a gradient
+        for i in members:
+            if i in self.splits and reduced is not None and reduced.has_grad(self.params[i]):
+                self._split_step(i, grads.get(i))
+        mine = [i for i in members if i in grads and i not in self.splits]
         for i in mine:
             self.targets[i].grad = grads[i]
         if mine:
             self.inner[0].step()
-        for i in mine:
+        for i in (i for i in members if i in grads):
             self.targets[i].grad = None
             if self.targets[i] is not self.params[i]:
                 self.params[i].copy_(self.targets[i])  # fp32 master -> its view in param_data
                 self._versions[i] = self.params[i]._version
+
+    def _split_step(self, i: int, grad: torch.Tensor | None) -> None:
+        """Matrix i's step shared with its group; the owner hands in its gradient."""
+        target = self.targets[i]
+        options = next(
+            g for g in self.inner[0].param_groups if any(p is target for p in g["params"])
+        )
+        if grad is None:  # a helper: no param, no state
+            self.splits[i].step(options, None, None)
+            return
+        target.grad = grad
+        self.splits[i].step(options, target, self.inner[0].state[target])
+        target.grad = None
 
     @torch.no_grad()
     def step_owned(self, bucket_stepped: BucketStepped) -> None:
@@ -256,8 +299,8 @@ class WholeMatrixPart(OptimizerPart):
         grads = {i: self.targets[i].grad for i in self.owned if self.targets[i].grad is not None}
         for i in grads:
             self.targets[i].grad = None
-        if not self.spec.step_per_bucket:
-            self._step(list(grads), grads)
+        if not self.spec.step_per_bucket:  # every index: a helper of a split matrix owns none
+            self._step([i for _, members in self._buckets for i in members], grads)
         for ref, members in self._buckets:
             if self.spec.step_per_bucket:
                 self._step(members, grads)

@@ -50,6 +50,12 @@ class GradSink(Protocol):
     def mark_ready(self, param: torch.nn.Parameter) -> None:
         """Count one gradient contribution of ``param`` as written into its view."""
 
+    def param_writes(self) -> int:
+        """A count that changes whenever the sink's owner writes param values without bumping
+        the params' version counters (the all-gather after a sharded step): caches of a
+        param's quantised value key on it. Optional: a sink whose owner never writes params
+        behind torch's version counter may leave it out."""
+
 
 @runtime_checkable
 class FusedWgradModule(Protocol):

@@ -36,6 +36,7 @@ from aligndp.plan.spec import (
     numel_cost,
     round_up,
 )
+from aligndp.plan.split import MatrixSplit, SplitPolicy, plan_splits
 from aligndp.plan.validate import validate
 
 __all__ = ["plan_layout"]
@@ -92,6 +93,7 @@ def plan_layout(
     shard_alignment: int = DEFAULT_SHARD_ALIGNMENT,
     grad_dtype: torch.dtype | None = None,
     owner_cost: OwnerCost = numel_cost,
+    split: SplitPolicy | None = None,
 ) -> BufferLayout:
     """Plan one buffer for ``specs`` (registration order, one param dtype).
 
@@ -100,7 +102,9 @@ def plan_layout(
     modes each bucket's length is a multiple of ``dp_size * lcm(shard_alignment, start)``; in
     layerwise mode each bucket is cut into ``dp_size`` equal shards, params packed whole into
     their owner's shard, owners chosen by :func:`aligndp.plan.assign.assign_owners` balancing
-    ``owner_cost(shape)`` (recorded in each slot). ``bucket_numel`` None: one bucket.
+    ``owner_cost(shape)`` (recorded in each slot); with a ``split`` policy, matrices whose
+    Newton–Schulz several ranks share are then chosen by :func:`aligndp.plan.split.plan_splits`
+    ([Note: split Newton–Schulz]). ``bucket_numel`` None: one bucket.
     The result is checked by :func:`validate` before it is returned.
     """
     mode = Mode.parse(mode)
@@ -151,6 +155,17 @@ def plan_layout(
             cost=owner_cost,
             alignment=align,
         )
+        splits: dict[int, MatrixSplit | None] = {}
+        if split is not None:
+            flat = [i for group in groups for i in group]
+            chosen = plan_splits(
+                [ordered[i].shape for i in flat],
+                [o for bucket in owners for o in bucket],
+                dp_size=dp_size,
+                cost=owner_cost,
+                policy=split,
+            )
+            splits = dict(zip(flat, chosen))
     else:
         groups = _group_into_buckets(ordered, bucket_numel)
 
@@ -171,7 +186,17 @@ def plan_layout(
                     s = ordered[i]
                     cost = float(owner_cost(s.shape))
                     slots.append(
-                        ParamSlot(s.name, s.shape, order[i], pos, pos + s.numel, b, rank, cost)
+                        ParamSlot(
+                            s.name,
+                            s.shape,
+                            order[i],
+                            pos,
+                            pos + s.numel,
+                            b,
+                            rank,
+                            cost,
+                            splits.get(i),
+                        )
                     )
                     pos = round_up(pos + s.numel, align)
             cursor = bucket_start + dp_size * shard

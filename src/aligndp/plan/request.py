@@ -31,6 +31,7 @@ from aligndp.plan.spec import (
     check_settings,
     numel_cost,
 )
+from aligndp.plan.split import SplitPolicy
 
 __all__ = ["SHARDINGS", "PlanRequest", "modes_for_sharding", "plan_buffers"]
 
@@ -78,6 +79,10 @@ class PlanRequest:
     owner_cost: OwnerCost = numel_cost
     """Layerwise mode: ``cost(shape)`` of stepping one whole param (e.g. Muon's Newton–Schulz
     estimate); owners are balanced by it and each slot records its cost."""
+    split: SplitPolicy | None = None
+    """Layerwise mode: when a matrix's Newton–Schulz is shared by several ranks
+    ([Note: split Newton–Schulz] in plan/split.py); None: every matrix stepped by its owner
+    alone."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tuple(self.specs))
@@ -159,6 +164,7 @@ def plan_buffers(
             shard_alignment=request.shard_alignment,
             grad_dtype=request.grad_dtype,
             owner_cost=request.owner_cost,
+            split=request.split,
         )
         for (mode, _), group in groups.items()
     ]

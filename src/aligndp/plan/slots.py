@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from aligndp.plan.spec import Mode, OwnerCost, Requirement, max_over_mean
+from aligndp.plan.split import MatrixSplit
 
 __all__ = ["ParamSlot", "BucketSlot", "OwnedPiece", "BufferLayout", "padding_totals"]
 
@@ -32,6 +33,9 @@ class ParamSlot:
     cost: float = 0.0
     """The owner cost the planner balanced (layerwise mode, the request's cost function); 0
     otherwise."""
+    split: MatrixSplit | None = None
+    """Layerwise mode: the ranks that share this matrix's Newton–Schulz, the owner first
+    ([Note: split Newton–Schulz] in plan/split.py); None: the owner alone."""
 
     @property
     def numel(self) -> int:
@@ -157,12 +161,23 @@ class BufferLayout:
 
     def rank_costs(self, cost: OwnerCost | None = None) -> list[float]:
         """Owner cost each rank steps (layerwise mode; zeros otherwise): the costs recorded
-        at plan time, or ``cost(shape)`` of every owned param when a function is given."""
+        at plan time, a split matrix's parts on their ranks; or, when a function is given,
+        ``cost(shape)`` of every param on its owner (splits ignored)."""
         costs = [0.0] * self.dp_size
         for p in self.params:
-            if p.owner is not None:
+            if p.owner is None:
+                continue
+            if cost is None and p.split is not None:
+                for rank, part in zip(p.split.ranks, p.split.costs):
+                    costs[rank] += part
+            else:
                 costs[p.owner] += p.cost if cost is None else cost(p.shape)
         return costs
+
+    @property
+    def splits(self) -> tuple[ParamSlot, ...]:
+        """The params whose Newton–Schulz several ranks share, in layout order."""
+        return tuple(p for p in self.params if p.split is not None)
 
     def rank_numels(self) -> list[int]:
         """Real elements each rank owns: its shard of every bucket intersected with params."""
@@ -208,6 +223,9 @@ class BufferLayout:
                     "end": p.end,
                     "bucket": p.bucket,
                     "owner": p.owner,
+                    "split": None
+                    if p.split is None
+                    else {"ranks": list(p.split.ranks), "cols": list(p.split.cols)},
                 }
                 for p in self.params
             ],
@@ -222,17 +240,21 @@ class BufferLayout:
             f"({100 * self.padding_fraction:.3f}% padding), {len(self.buckets)} bucket(s)"
         ]
         if self.mode is Mode.LAYERWISE:
-            lines.append(f"  owner cost imbalance (max/mean over ranks): {self.imbalance:.4f}")
+            lines.append(
+                f"  owner cost imbalance (max/mean over ranks): {self.imbalance:.4f}, "
+                f"{len(self.splits)} matrices split over ranks"
+            )
         width = max([len(p.name) for p in self.params] + [4])
         lines.append(
             f"  {'name':<{width}}  {'shape':>14}  {'start':>12}  {'end':>12}  bucket  owner"
+            + ("  split (rank:columns)" if self.splits else "")
         )
         for p in self.params:
             shape = "x".join(map(str, p.shape))
             owner = "-" if p.owner is None else str(p.owner)
             lines.append(
                 f"  {p.name:<{width}}  {shape:>14}  {p.start:>12,}  {p.end:>12,}  "
-                f"{p.bucket:>6}  {owner:>5}"
+                f"{p.bucket:>6}  {owner:>5}" + (f"  {p.split}" if p.split else "")
             )
         for b in self.buckets:
             lines.append(f"  bucket {b.index}: [{b.start:,}, {b.end:,}) {b.numel:,} elements")

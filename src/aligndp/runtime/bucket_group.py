@@ -75,10 +75,10 @@ class BucketGroup:
         return self.buffer.bucket_grad(self.ref.bucket)
 
     def launch_reduce(self, grad: torch.Tensor) -> None:
-        """Start the bucket's gradient mean over the ranks (in place; a no-op at dp 1)."""
+        """Start the bucket's gradient mean over the ranks (in place; a no-op on one rank)."""
         assert not self.reducing, "a bucket's gradient collective launches once per round"
         self.reducing = True
-        if self.collectives.dp_size == 1:
+        if self.collectives.dp_size == 1 and self.collectives.replicas == 1:
             self._reduce_work = None
         elif self.replicated:
             self._reduce_work = self.collectives.all_reduce_mean(grad)

@@ -61,6 +61,8 @@ class Collectives(Allocator, Protocol):
     """This rank's index in ``group``."""
     dp_size: int
     """Ranks in ``group``."""
+    replicas: int
+    """Ranks holding each shard ([Note: replicate x shard mesh] in mesh.py); 1 on a flat group."""
 
     def all_reduce_mean(self, bucket: torch.Tensor) -> Work:
         """Start averaging ``bucket`` in place over the ranks."""
@@ -76,7 +78,12 @@ class Collectives(Allocator, Protocol):
         ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """Sum a small ``tensor`` (flags, norms) in place over the ranks, blocking."""
+        """Sum a small ``tensor`` (flags) in place over every rank of the job, blocking."""
+        ...
+
+    def all_reduce_owned_sum(self, tensor: torch.Tensor) -> None:
+        """Sum a small ``tensor`` (a norm's owned squares) in place over ``group``, blocking:
+        one copy of every owned piece, however many replicas hold it."""
         ...
 
 
@@ -90,6 +97,7 @@ class TorchCollectives(AlignedAllocator):
     :func:`~aligndp.runtime.buffer.aligned_empty`. Subclass it to change one piece."""
 
     name = "torch"
+    replicas = 1
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -119,3 +127,6 @@ class TorchCollectives(AlignedAllocator):
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def all_reduce_owned_sum(self, tensor: torch.Tensor) -> None:
+        self.all_reduce_sum(tensor)

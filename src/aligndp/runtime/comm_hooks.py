@@ -105,6 +105,11 @@ def with_comm_hook(
             f"has {sharded} buffers, which reduce-scatter: use sharding='none' with the hook, or "
             "parallelize(..., grad_dtype=torch.bfloat16) to reduce in 16 bits in any mode"
         )
+    if collectives.replicas > 1:
+        raise ValueError(
+            "register_comm_hook works on a flat process group, not a 2-D mesh= yet: drop the "
+            "hook, or parallelize(..., grad_dtype=torch.bfloat16) to reduce in 16 bits"
+        )
     check_hook_state(state, collectives.group)
     return collectives if dtype is None else CompressedCollectives(collectives, dtype)
 
@@ -131,7 +136,7 @@ class CompressedCollectives:
     def __init__(self, inner: Collectives, dtype: torch.dtype) -> None:
         self.inner, self.dtype = inner, dtype
         self.name, self.group = inner.name, inner.group
-        self.rank, self.dp_size = inner.rank, inner.dp_size
+        self.rank, self.dp_size, self.replicas = inner.rank, inner.dp_size, inner.replicas
         self._copies: dict[tuple[int, int], torch.Tensor] = {}
 
     def allocate(self, numel: int, *, dtype, device, align_bytes: int) -> torch.Tensor:
@@ -156,3 +161,6 @@ class CompressedCollectives:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.inner.all_reduce_sum(tensor)
+
+    def all_reduce_owned_sum(self, tensor: torch.Tensor) -> None:
+        self.inner.all_reduce_owned_sum(tensor)

@@ -74,6 +74,7 @@ from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.grad_sync import GradReducer
 from aligndp.runtime.join import Join
+from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.step_state import (
     BucketRef,
@@ -98,7 +99,9 @@ class DataParallel(nn.Module):
     replicated, i.e. plain DDP). Params are grouped into one buffer per (mode, param dtype).
     Sharded and layerwise buffers also hold the params (``param.data`` becomes a view).
     ``plan`` (a :class:`~aligndp.plan.request.PlanRequest`, as ``aligndp.parallelize`` builds)
-    replaces ``modes`` and the config's planning fields.
+    replaces ``modes`` and the config's planning fields. ``mesh``: a torch ``DeviceMesh``
+    instead of ``process_group`` ([Note: replicate x shard mesh] in mesh.py): ``dp_size`` and
+    ``rank`` are then the shard group's, ``process_group``/``world_size`` every rank's.
 
     A thin module over three parts built here once: ``index`` (the
     :class:`~aligndp.runtime.step_state.ParamIndex`), ``groups`` (one
@@ -112,6 +115,7 @@ class DataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
+        mesh: object | None = None,
         config: DDPConfig = _DEFAULT_CONFIG,
         modes: Mapping[str, Mode] | None = None,
         requirements: Iterable[Requirement] = (),
@@ -125,11 +129,15 @@ class DataParallel(nn.Module):
                 "torch.distributed is not initialised: call dist.init_process_group() first"
             )
         self.module = module
-        self.process_group = process_group
+        groups = data_parallel_groups(process_group, mesh)
+        self.process_group = process_group = groups.world
+        self.world_size = dist.get_world_size(process_group)
+        self.world_rank = dist.get_rank(process_group)
         self.config = config
-        self.dp_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self._collectives = make_collectives(config.collectives, group=process_group)
+        self._collectives = make_collectives(config.collectives, group=groups.shard)
+        if groups.replicas > 1:
+            self._collectives = MeshCollectives(self._collectives, groups)
+        self.dp_size, self.rank = self._collectives.dp_size, self._collectives.rank
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
@@ -177,11 +185,11 @@ class DataParallel(nn.Module):
         layouts = plan_buffers(
             plan.bind(specs, dp_size=self.dp_size, requirements=self.requirements)
         )
-        if self.dp_size > 1:
+        if self.world_size > 1:
             # [Note: ranks agree] in agreement.py, before any shape-dependent collective
             check_ranks_agree(module.named_parameters(), layouts, group=process_group)
             prepare_side_group(process_group)
-        if config.broadcast_at_wrap and self.dp_size > 1:
+        if config.broadcast_at_wrap and self.world_size > 1:
             self._broadcast_from_rank0()
         by_name = dict(named)
         with binding():
@@ -217,10 +225,11 @@ class DataParallel(nn.Module):
             names=self.param_names,
             config=config,
             collectives=self._collectives,
-            rank=self.rank,
+            rank=self.world_rank,
             device=self.device,
             eager_zero=claim_params(self, self.params),
         )
+        self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(hook)
@@ -342,7 +351,7 @@ class DataParallel(nn.Module):
             )
         if self._joined is not None:
             self._joined.forward()
-        if self.config.broadcast_buffers and self.dp_size > 1:
+        if self.config.broadcast_buffers and self.world_size > 1:
             self._broadcast_buffers()
         if torch.is_grad_enabled():
             self.reducer._reopen()  # before autograd accumulates into a ShardedGrad

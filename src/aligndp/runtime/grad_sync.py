@@ -78,12 +78,13 @@ class GradReducer(Reduction):
         device: torch.device,
         eager_zero: set[nn.Parameter],
     ) -> None:
-        """``params`` in registration order; ``config``: the model's ``DDPConfig``;
-        ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
+        """``params`` in registration order; ``config``: the model's ``DDPConfig``; ``rank``: among
+        all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
         self.index, self.groups, self.config = index, list(groups), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
         self.dp_size = collectives.dp_size
+        self.world_size = self.dp_size * collectives.replicas  # the agreement's ranks
         n = len(self.params)
         self._k = {p: k for k, p in enumerate(self.params)}
         self._slots = list(index.slots.values())
@@ -323,7 +324,7 @@ class GradReducer(Reduction):
                 if not same_storage(grad, slot.view):
                     slot.view.copy_(grad.view_as(slot.view))
                 self._used[k] = True
-            else:  # own shard x dp_size, zeros elsewhere: the next mean adds the new mean to it
+            else:  # own shard x dp_size (shard group's), zeros elsewhere: next mean adds to it
                 lo, hi = slot.owned.lo, slot.owned.hi
                 flat[:lo].zero_()
                 flat[hi:].zero_()

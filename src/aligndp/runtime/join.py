@@ -12,7 +12,7 @@ __all__ = ["Join"]
 
 
 class _Model(Protocol):
-    dp_size: int
+    world_size: int
     device: torch.device
     collectives: Collectives
 
@@ -29,7 +29,7 @@ class Join:
         return int(t.item())
 
     def _message(self, training: int) -> str:
-        ws = self.model.dp_size
+        ws = self.model.world_size
         return (
             f"uneven inputs: {ws - training} of {ws} rank(s) ran out of batches while "
             f"{training} still train; give every rank the same number of batches (e.g. "
@@ -38,7 +38,7 @@ class Join:
 
     def forward(self) -> None:
         training = self._still_training(1)
-        if training < self.model.dp_size:
+        if training < self.model.world_size:
             raise ValueError(self._message(training))
 
     def leave(self) -> None:

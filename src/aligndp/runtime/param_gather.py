@@ -57,6 +57,10 @@ class ParamGather:
         self._groups: dict[BucketRef, BucketGroup] = {g.ref: g for g in groups if g.gathers}
         """The groups whose buckets hold params, by bucket."""
         self._launched: set[BucketRef] = set()
+        self.writes = 0
+        """Bucket gathers launched so far (at dp_size 1 too, where the step's cast-back alone
+        wrote ``param_data``): the params' values changed without their version counters
+        (the grad sink's :meth:`~aligndp.runtime.reduction.Reduction.param_writes`)."""
         self._group_of: dict[int, BucketGroup] = {
             id(p): g for g in self._groups.values() for p in g.params
         }
@@ -117,6 +121,7 @@ class ParamGather:
     def launch_bucket(self, key: BucketRef) -> None:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
+        self.writes += 1
         group = self._groups.get(key)
         if group is not None:
             group.launch_gather(self if self.overlap else None)

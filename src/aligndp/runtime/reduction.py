@@ -27,6 +27,15 @@ __all__ = ["Reduction"]
 class Reduction:
     """Launches in index order and ``finish_grad_sync`` (ACCUMULATING -> REDUCED)."""
 
+    param_gather = None
+    """The model's :class:`~aligndp.runtime.param_gather.ParamGather`, set by its DataParallel."""
+
+    def param_writes(self) -> int:
+        """The GradSink's count of param writes torch's version counters miss (the param
+        gathers): quantised-weight caches key on it ([Note: weights once per step] in
+        aligndp/lowp/linear.py)."""
+        return 0 if self.param_gather is None else self.param_gather.writes
+
     # ---- readiness and collectives ----
     def _launch_ready(self) -> None:
         """Launch the groups from the next one on while they have counted down to zero."""
@@ -151,10 +160,10 @@ class Reduction:
             stale_read=self._problems["stale_read"],
             nonfinite=nonfinite,
             rank=self.rank,
-            dp_size=self.dp_size,
+            dp_size=self.world_size,
             device=self.device,
         )
-        if self.dp_size > 1:
+        if self.world_size > 1:
             self.collectives.all_reduce_sum(local)
         return local
 

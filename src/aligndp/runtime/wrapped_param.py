@@ -140,7 +140,9 @@ class WrappedParameter(nn.Parameter):
                 "before aligndp.parallelize, or copy values in with p.copy_()"
             )
         current.copy_(value)
-        self.data  # noqa: B018 -- marks the write for the owner
+        # a write into the param's values, announced as an in-place op on the param would be:
+        # the owner's masters and the quantised-weight caches compare versions
+        torch.autograd.graph.increment_version(self)
 
 
 _TENSOR_DATA = torch.Tensor.data
