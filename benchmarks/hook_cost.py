@@ -14,9 +14,9 @@ per-param host work, not arithmetic. Prints one JSON line per variant and the ra
 torch DDP measured in the same run.
 
 ``--timeit`` times aligndp's registered hooks alone instead ([Note: one closure per param] in
-aligndp/runtime/grad_sync.py): inside a backward, in steady state (readiness learned, the
-direct path, every bucket launched as it fills at dp 1), one pass of every param's hook in
-backward order, minus the cost of resetting the round between passes; microseconds per call.
+aligndp/runtime/grad_sync.py): inside a backward, in steady state (readiness learned, every
+bucket launched as it fills at dp 1), microseconds per hook call; see
+:func:`hook_us_per_call`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 import timeit
 
 import torch
@@ -87,30 +88,43 @@ def measure(model, opt, idx: torch.Tensor, *, steps: int, warmup: int, device) -
     return hook_host_ms(prof, steps)
 
 
-def hook_us_per_call(model, opt, idx: torch.Tensor, *, number: int = 200) -> float:
-    """Microseconds per call of aligndp's post-accumulate hooks on the direct path."""
+def hook_us_per_call(model, opt, idx: torch.Tensor, *, number: int = 100) -> float:
+    """Microseconds per call of aligndp's post-accumulate hooks in a steady-state step.
+
+    Each timed pass is one step's hook work as autograd would drive it: ``zero_grad``, arm
+    (what the wrapper's forward does), then every param in backward order gets its gradient
+    (the armed view already holds it; a deferring bucket's param gets a fresh tensor, as
+    autograd steals it: [Note: one copy per bucket]) and its hook runs, launching each bucket
+    as it fills. The same pass without the hook calls is subtracted."""
     for _ in range(3):  # readiness learned from the last synchronised backward
         model(idx, idx).backward()
         opt.step()
         opt.zero_grad()
-    params = list(model.module.parameters())[::-1]  # ≈ backward order
-    hooks = [next(iter(p._post_accumulate_grad_hooks.values())) for p in params]
     reducer = model.reducer
-    model(idx, idx)  # arms param.grad as the views
+    order = list(range(len(reducer.params)))[::-1]  # ≈ backward order
+    params = [reducer.params[k] for k in order]
+    hooks = [reducer.hooks[k] for k in order]
+    defers = [getattr(reducer._group_of[k], "defer", False) for k in order]
+    stolen = [torch.zeros_like(p) for p in params]
     timed: list[float] = []
 
     def inside_backward(grad: torch.Tensor) -> torch.Tensor:
-        hooks[0](params[0])  # IDLE -> ACCUMULATING (once per step, off the fast path)
-        reducer._reset_round()
+        def step_pass(run_hooks: bool) -> None:
+            reducer.zero_grad_buffer()
+            reducer.arm()
+            for hook, p, defer, g in zip(hooks, params, defers, stolen):
+                if defer:
+                    p.grad = g
+                if run_hooks:
+                    hook(p)
 
-        def one_pass() -> None:
-            for hook, p in zip(hooks, params):
-                hook(p)
-            reducer._reset_round()
+        def best(run_hooks: bool) -> float:  # thread CPU time: other jobs do not count
+            runs = timeit.repeat(
+                lambda: step_pass(run_hooks), number=number, repeat=7, timer=time.thread_time
+            )
+            return min(runs) / number
 
-        full = min(timeit.repeat(one_pass, number=number, repeat=7)) / number
-        reset = min(timeit.repeat(reducer._reset_round, number=number, repeat=7)) / number
-        timed.append((full - reset) / len(params) * 1e6)
+        timed.append((best(True) - best(False)) / len(params) * 1e6)
         return grad
 
     x = torch.ones(1, requires_grad=True)

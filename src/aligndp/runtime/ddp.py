@@ -236,7 +236,7 @@ class DataParallel(nn.Module):
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(hook)
-            for p, hook in zip(self.params, self.reducer.hooks())
+            for p, hook in zip(self.params, self.reducer.hooks)
         ]
         gather = self.param_gather  # state_dict() reads the params: their gathers first
         self._hooks.append(

@@ -130,11 +130,11 @@ class GradReducer(Reduction):
         self.nonfinite: str | None = None
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
-        self._arrive = [self._bind(k)[1] for k in range(n)]
-
-    def hooks(self) -> list[Callable[[nn.Parameter], None]]:
-        """Each param's post-accumulate-grad hook ([Note: one closure per param])."""
-        return [self._bind(k)[0] for k in range(len(self.params))]
+        bound = [self._bind(k) for k in range(n)]
+        self.hooks = [hook for hook, _ in bound]
+        """Each param's post-accumulate-grad hook, in registration order; the model registers
+        them ([Note: one closure per param])."""
+        self._arrive = [arrive for _, arrive in bound]
 
     def _bind(self, k: int):
         """(hook, arrive) of param ``k`` ([Note: one closure per param])."""
