@@ -185,6 +185,8 @@ def case_direct_path_backward_copies_no_gradient(rank, ws):
         return count("aten::copy_"), count("aten::add_"), foreach
 
     ours = DataParallel(make_net(), config=DDPConfig(bucket_numel=200))
+    # without overlap no round defers: every step adds into armed views, zeroed by zero_grad
+    armed = DataParallel(make_net(), config=DDPConfig(bucket_numel=200, overlap=False))
     theirs = nn.parallel.DistributedDataParallel(make_net(), bucket_cap_mb=0.001)
     plain = make_net()
     buckets = len(ours.reducer.groups)
@@ -193,8 +195,10 @@ def case_direct_path_backward_copies_no_gradient(rank, ws):
         idx, tgt = batch(step, rank, ws)
         if step != 2:  # step 2 accumulates onto step 1's gradients
             ours.zero_grad_buffer()
+            armed.zero_grad_buffer()
             theirs.zero_grad()
             plain.zero_grad()
+        loss_of(armed, idx, tgt).backward()
         plain_copies, plain_adds, _ = ops_in_backward(plain, idx, tgt)
         copies, adds, foreach = ops_in_backward(ours, idx, tgt)
         assert copies <= plain_copies, f"step {step}: {copies} copies, plain torch {plain_copies}"
@@ -204,10 +208,12 @@ def case_direct_path_backward_copies_no_gradient(rank, ws):
         else:  # the first backward (no hints) adds into armed views, step 2 onto reduced ones
             assert foreach == 0, (step, foreach)
         loss_of(theirs, idx, tgt).backward()
-        for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
-            assert p.grad is p.main_grad or p.grad.data_ptr() == p.main_grad.data_ptr(), n
-            assert_close(p.grad, q.grad, f"step {step} {n}", GRAD_REL)
+        for model in (ours, armed):
+            for (n, p), q in zip(model.module.named_parameters(), theirs.module.parameters()):
+                assert p.grad is p.main_grad or p.grad.data_ptr() == p.main_grad.data_ptr(), n
+                assert_close(p.grad, q.grad, f"step {step} {n}", GRAD_REL)
     ours.remove_hooks()
+    armed.remove_hooks()
 
 
 @case(2)
