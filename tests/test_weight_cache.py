@@ -119,6 +119,15 @@ def _optimizer_step(layer: MXLinear) -> None:
     torch.optim.SGD(layer.parameters(), lr=0.5).step()
 
 
+def _fused_adamw_step(layer: MXLinear) -> None:
+    # torch's fused optimizers write the params without bumping their version counters
+    torch.optim.AdamW(layer.parameters(), lr=0.5, fused=True).step()
+
+
+def _foreach_adamw_step(layer: MXLinear) -> None:
+    torch.optim.AdamW(layer.parameters(), lr=0.5, foreach=True).step()
+
+
 def _add_in_place(layer: MXLinear) -> None:
     with torch.no_grad():
         layer.weight.add_(0.25)
@@ -149,6 +158,8 @@ def _data_write_then_drop(layer: MXLinear) -> None:
 
 CHANGES = [
     _optimizer_step,
+    _fused_adamw_step,
+    _foreach_adamw_step,
     _add_in_place,
     _load_state_dict,
     _assign_data,

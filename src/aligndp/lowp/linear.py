@@ -19,8 +19,13 @@ scales, every layout its forward and dgrad read) and quantises again only when t
 have changed. The cache is keyed on what can tell: the weight object and its storage (weakly:
 ``param.data = t`` and ``layer.weight = p`` give a new storage, and a freed storage can never
 match again even if its address is reused), its storage offset, shape, strides and dtype, its
-version counter (bumped by every in-place write through the param or a view of it: the
-optimizer's step, ``with torch.no_grad(): w.add_(...)``, ``load_state_dict``), and the grad
+version counter (bumped by every in-place write through the param or a view of it: a
+foreach or for-loop optimizer step, ``with torch.no_grad(): w.add_(...)``,
+``load_state_dict``), the count of ``torch.optim`` optimizer steps taken in this process (a
+global step post-hook: torch's *fused* optimizers write the params without bumping their
+version counters, so without it a fused AdamW step would leave the layer computing with the
+weight of the step before — any optimizer's step drops every cache, which costs one quantise
+at most), and the grad
 sink's :meth:`~aligndp.plan.fused.GradSink.param_writes` (the DataParallel's all-gathers, which
 write the params' storage without bumping their counters; ``param.data = t`` after wrapping is
 a copy that bumps it). A write through ``param.data`` (``w.data.add_(...)``) is invisible to
@@ -44,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.layer_rule import capability_of, slow_reason
@@ -125,9 +131,28 @@ class _CachedWeight(NamedTuple):
     quantised: object
 
 
+_optimizer_steps = [0]
+"""``torch.optim`` optimizer steps since the first cached quantise ([Note: weights once per
+step]): counted by a global step post-hook, registered once."""
+_step_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _optimizer_steps[0] += 1
+
+
+def optimizer_steps() -> int:
+    """The process's ``torch.optim`` step count (the hook is registered on first call)."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+    return _optimizer_steps[0]
+
+
 def _weight_key(weight: torch.Tensor, sink: GradSink | None) -> tuple:
     writes = getattr(sink, "param_writes", None)
     return (
+        optimizer_steps(),
         weight._version,
         weight.storage_offset(),
         tuple(weight.shape),
