@@ -175,11 +175,13 @@ def check_equals_one_process(rank: int, ws: int, optimizer: str, **kwargs) -> No
         for n, p in ref.named_parameters():
             p.grad = grads[n]
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        # the reference steps first: any torch.optim step drops the layers' quantised-weight
+        # caches ([Note: weights once per step]), the gathered bytes included
         for o in ref_opts:
             o.step()
             o.zero_grad()
+        opt.step()
+        opt.zero_grad()
         mine = masters(opt, names)
         for n, p in ref.named_parameters():
             assert torch.equal(mine[n], p.detach().flatten()), f"step {step}: master of {n}"

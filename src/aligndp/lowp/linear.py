@@ -22,7 +22,7 @@ match again even if its address is reused), its storage offset, shape, strides a
 version counter (bumped by every in-place write through the param or a view of it: a
 foreach or for-loop optimizer step, ``with torch.no_grad(): w.add_(...)``,
 ``load_state_dict``), the count of ``torch.optim`` optimizer steps taken in this process (a
-global step post-hook: torch's *fused* optimizers write the params without bumping their
+global step pre-hook: torch's *fused* optimizers write the params without bumping their
 version counters, so without it a fused AdamW step would leave the layer computing with the
 weight of the step before — any optimizer's step drops every cache, which costs one quantise
 at most), and the grad
@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.layer_rule import capability_of, slow_reason
@@ -132,8 +132,9 @@ class _CachedWeight(NamedTuple):
 
 
 _optimizer_steps = [0]
-"""``torch.optim`` optimizer steps since the first cached quantise ([Note: weights once per
-step]): counted by a global step post-hook, registered once."""
+"""``torch.optim`` optimizer steps since the first cached quantise (see
+[Note: weights once per step]): counted by a global step pre-hook, registered once (before
+the step, so weights an FP8 param gather sets during the step carry the new count)."""
 _step_hook = None
 
 
@@ -145,7 +146,7 @@ def optimizer_steps() -> int:
     """The process's ``torch.optim`` step count (the hook is registered on first call)."""
     global _step_hook
     if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+        _step_hook = register_optimizer_step_pre_hook(_count_optimizer_step)
     return _optimizer_steps[0]
 
 

@@ -104,6 +104,9 @@ class _Master:
     step does not cast it back."""
     sharded_grad: ShardedGrad = dataclasses.field(init=False)
     """The master's ``.grad`` between a reduction and the step (made once: it is immutable)."""
+    owned_grad: torch.Tensor | None = None
+    """The owned slice of the reduced gradient (a view of the grad buffer, which is never
+    reallocated), taken from the first :class:`ReducedGrads` and kept."""
 
     def __post_init__(self) -> None:
         self.sharded_grad = ShardedGrad(self.master)
@@ -247,7 +250,9 @@ class ShardedPart(OptimizerPart):
         self._refresh_masters()
         for p in self.masters:
             if grads.has_grad(p.param):
-                g = grads.owned(p.param)
+                g = p.owned_grad
+                if g is None:
+                    g = p.owned_grad = grads.owned(p.param)
                 p.master.grad = g if g.dtype == p.master.dtype else g.to(p.master.dtype)
             else:
                 p.master.grad = None

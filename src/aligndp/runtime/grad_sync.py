@@ -59,7 +59,8 @@ from aligndp.runtime.step_state import ParamIndex, ReducedGrads, RoundReport, St
 
 __all__ = ["GradReducer"]
 
-_ACCUMULATING = StepState.ACCUMULATING  # read per gradient: a global, not an enum lookup
+# read per gradient: globals, not enum or attribute lookups
+_ACCUMULATING, _REDUCED, _STRIDED = StepState.ACCUMULATING, StepState.REDUCED, torch.strided
 
 
 class GradReducer(Reduction):
@@ -160,14 +161,30 @@ class GradReducer(Reduction):
                     r._launch_ready()
                     r._launched_in_backward = r._next_launch
 
+        dtype, shape = view.dtype, view.shape
+
         def hook(param: nn.Parameter) -> None:
             r = me()
             if r is None:
                 return
-            if r.state is _ACCUMULATING and param.grad is view:
+            grad, state = param.grad, r.state
+            if state is _ACCUMULATING and grad is view:
                 arrive(r, param)
-            elif group.defer and stale[k] and not fired[k] and r._defer(param, k, group):
-                arrive(r, param)  # [Note: one copy per bucket]
+            elif (  # [Note: one copy per bucket]: keep the first gradient for the launch
+                group.defer
+                and stale[k]
+                and not fired[k]
+                and grad is not None
+                and r._sync_enabled
+                and state is not _REDUCED
+                and grad.dtype is dtype
+                and grad.shape == shape
+                and grad.layout is _STRIDED
+            ):
+                if state is not _ACCUMULATING:
+                    r._begin_accumulating()
+                group.deferred.append((k, grad))
+                arrive(r, param)
             elif r._absorb(param, k):
                 arrive(r, param)
 
@@ -241,25 +258,6 @@ class GradReducer(Reduction):
         else:
             param.grad = None
         self._begin_accumulating()
-        return True
-
-    def _defer(self, param: nn.Parameter, k: int, group: BucketGroup) -> bool:
-        """Keep ``param``'s first gradient of the step for its group's one copy at launch
-        ([Note: one copy per bucket]); False (take the other paths) when it cannot be copied
-        as it is or the round is not one that defers."""
-        grad = param.grad
-        view = self._views[k]
-        if (
-            grad is None
-            or grad.layout is not torch.strided
-            or not self._sync_enabled
-            or self.state is StepState.REDUCED
-            or grad.dtype is not view.dtype
-            or grad.shape != view.shape
-        ):
-            return False
-        self._begin_accumulating()
-        group.deferred.append((k, grad))
         return True
 
     def _flush(self, group: BucketGroup) -> None:
@@ -393,8 +391,9 @@ class GradReducer(Reduction):
         reduction's in REDUCED, none otherwise (IDLE: nothing to step)."""
         view = self._view
         if view is None or view.epoch != self.epoch:
-            has = frozenset(self.params[k] for k in self._published)
-            if self.state is not StepState.REDUCED:
-                has = frozenset()
+            has = frozenset()
+            if self.state is StepState.REDUCED:  # None: every param (nothing to hash)
+                full = len(self._published) == len(self.params)
+                has = None if full else frozenset(self.params[k] for k in self._published)
             view = self._view = ReducedGrads(self, self.epoch, self.index, has)
         return view

@@ -16,6 +16,7 @@ from aligndp.runtime.step_flags import (
     Agreed,
     decode_flags,
     encode_flags,
+    flag_values,
     nonfinite_counts,
     to_host_async,
 )
@@ -87,7 +88,8 @@ class Reduction:
         here, every param has one globally, so nothing waits: the flags are copied to pinned
         memory behind an event, and the problems they may carry (rare: a fused layer used
         more often, a stale read) are raised at the end of the next reduction, on every rank
-        alike."""
+        alike. One rank alone (dp 1, no check_finite) agrees with itself on the host: its
+        flags never go to the device."""
         if self.state is not StepState.ACCUMULATING:
             return self.reduced()
         self._raise_pending_problems()
@@ -95,12 +97,19 @@ class Reduction:
             self._launch(self.groups[self._next_launch])
         for group in self.groups:
             group.wait_reduce()
-        flags = self._flags()
-        if all(self._used) and not self.config.check_finite:
+        values = flag_values(
+            self.params,
+            used=self._used,
+            late=self._problems["late"],
+            stale_read=self._problems["stale_read"],
+        )
+        if self.world_size == 1 and not self.config.check_finite:
+            used, nonfinite, problems = self._decide(values)  # one rank agrees with itself
+        elif all(self._used) and not self.config.check_finite:
             used, nonfinite, problems = self.params, "", ""
-            self._pending_flags = to_host_async(flags)
+            self._pending_flags = to_host_async(self._flags(values))
         else:
-            used, nonfinite, problems = self._decode(flags.tolist())
+            used, nonfinite, problems = self._decode(self._flags(values).tolist())
         self.last_round = RoundReport(self._launched_in_backward, len(self.groups), len(used))
         if self.config.overlap:  # [Note: bucket readiness]: this round's counts are the hints
             self._expected[:] = self._fired
@@ -146,26 +155,25 @@ class Reduction:
             raise RuntimeError(problems)
         return reduced
 
-    def _flags(self) -> torch.Tensor:
-        """This rank's flags (step_flags.py), summed over the ranks."""
+    def _flags(self, values: list[int]) -> torch.Tensor:
+        """This rank's flags (step_flags.py) on the device, summed over the ranks."""
         nonfinite = None
         if self.config.check_finite:
             nonfinite = self._nonfinite
             if nonfinite is None:
                 nonfinite = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
         local = encode_flags(
-            self.params,
-            used={p for p, u in zip(self.params, self._used) if u},
-            late=self._problems["late"],
-            stale_read=self._problems["stale_read"],
-            nonfinite=nonfinite,
-            rank=self.rank,
-            dp_size=self.world_size,
-            device=self.device,
+            values, nonfinite=nonfinite, rank=self.rank, dp_size=self.world_size, device=self.device
         )
         if self.world_size > 1:
             self.collectives.all_reduce_sum(local)
         return local
+
+    def _decide(self, values: list[int]) -> Agreed:
+        """The agreement of one rank: its own flags, decoded on the host (no device copy)."""
+        if all(self._used) and not any(values[len(self.params) :]):
+            return Agreed(self.params, "", "")
+        return self._decode(values)
 
     def _decode(self, values: list[int]) -> Agreed:
         return decode_flags(values, params=self.params, names=self.param_names)

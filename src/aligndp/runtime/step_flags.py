@@ -20,7 +20,14 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-__all__ = ["Agreed", "PendingFlags", "encode_flags", "decode_flags", "nonfinite_counts"]
+__all__ = [
+    "Agreed",
+    "PendingFlags",
+    "decode_flags",
+    "encode_flags",
+    "flag_values",
+    "nonfinite_counts",
+]
 
 
 class Agreed(NamedTuple):
@@ -42,23 +49,33 @@ class PendingFlags(NamedTuple):
     """Recorded after the copy on CUDA; None where the flags already are on the host."""
 
 
-def encode_flags(
+def flag_values(
     params: Sequence[nn.Parameter],
     *,
-    used: Container[nn.Parameter],
+    used: Sequence[bool],
     late: Container[nn.Parameter],
     stale_read: Container[nn.Parameter],
+) -> list[int]:
+    """This rank's used, late and stale-read flags as Python ints (``used`` by param index;
+    no param is hashed when ``late`` and ``stale_read`` are empty, the usual case)."""
+    n = len(params)
+    flags = [1 if u else 0 for u in used]
+    flags += [1 if p in late else 0 for p in params] if late else [0] * n
+    flags += [1 if p in stale_read else 0 for p in params] if stale_read else [0] * n
+    return flags
+
+
+def encode_flags(
+    values: list[int],
+    *,
     nonfinite: torch.Tensor | None,
     rank: int,
     dp_size: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """This rank's flags on ``device``; ``nonfinite``: per-param counts with check_finite
-    (an int32 tensor on ``device``, or None when check_finite is off)."""
-    flags = [1 if p in used else 0 for p in params]
-    flags += [1 if p in late else 0 for p in params]
-    flags += [1 if p in stale_read else 0 for p in params]
-    local = torch.tensor(flags, dtype=torch.int32)
+    """This rank's flags on ``device`` (:func:`flag_values`, then with check_finite the
+    per-param counts ``nonfinite``, an int32 tensor on ``device``, and the per-rank totals)."""
+    local = torch.tensor(values, dtype=torch.int32)
     if device.type == "cuda":
         local = local.pin_memory().to(device, non_blocking=True)
     if nonfinite is None:

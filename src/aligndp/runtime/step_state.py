@@ -133,7 +133,10 @@ class ReducedGrads:
     ``RuntimeError`` (an optimizer must never step from gradients that moved under it).
     """
 
-    def __init__(self, source: _EpochSource, epoch: int, index: ParamIndex, has: frozenset) -> None:
+    def __init__(
+        self, source: _EpochSource, epoch: int, index: ParamIndex, has: frozenset | None
+    ) -> None:
+        """``has``: the params with a reduced gradient; None when every param has one."""
         self._source = source
         self.epoch = epoch
         """The reducer's epoch when this view was taken."""
@@ -152,7 +155,7 @@ class ReducedGrads:
     def has_grad(self, param: nn.Parameter) -> bool:
         """Whether ``param`` has a reduced gradient (some rank had one for it)."""
         self.check()
-        return param in self._has
+        return self._has is None or param in self._has
 
     def view(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s reduced gradient in its buffer's dtype, shaped like the param: valid
