@@ -132,8 +132,8 @@ class _CachedWeight(NamedTuple):
 
 
 _optimizer_steps = [0]
-"""``torch.optim`` optimizer steps since the first cached quantise ([Note: weights once per
-step]): counted by a global step post-hook, registered once."""
+"""``torch.optim`` optimizer steps since the first cached quantise
+([Note: weights once per step]): counted by a global step post-hook, registered once."""
 _step_hook = None
 
 
