@@ -61,10 +61,9 @@ class Result:
     ms: list[float] = dataclasses.field(default_factory=list)
     """Median ms per step of each pass."""
     loss: float | None = None
-    """The last timed step's loss; None when the variant never finished timing (a failure: its
-    note says FAILED), so a table never shows a NaN that no step computed."""
+    """The last timed step's loss; None (not NaN) when no step finished: FAILED, not timed."""
     nonfinite: str = ""
-    """Where the loss first stopped being finite (``step k of n``, warm-up steps counted)."""
+    """``step k of n`` (warm-up counted) where the loss first was not finite."""
     peak_gib: float = 0.0
     note: str = ""
     """Why it was not timed, or what it converted."""
@@ -184,8 +183,7 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
         sync(device)
         t0 = time.perf_counter()
         for x, y in xs:
-            loss = step(model, opt, x, y, device.type, args.grad_accum)
-            losses.append(loss)
+            losses.append(loss := step(model, opt, x, y, device.type, args.grad_accum))
         issued.append((time.perf_counter() - t0) / args.steps * 1e3)
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps * 1e3)
@@ -199,8 +197,7 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
             lambda: step(model, opt, *next(xs), "cuda", args.grad_accum), steps=3, warmup=1
         )
     result.loss = loss.item()
-    bad = torch.stack(losses).isfinite().logical_not().nonzero()
-    if len(bad) and not result.nonfinite:
+    if len(bad := torch.stack(losses).isfinite().logical_not().nonzero()) and not result.nonfinite:
         result.nonfinite = f"step {bad[0].item()} of {len(losses)}"
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -235,8 +232,7 @@ def run(args) -> dict[str, Result]:
 
 
 def loss_cell(r: Result) -> str:
-    """The loss as the table shows it: ``-`` when no step finished, and where a non-finite loss
-    began."""
+    """The loss cell: ``-`` when no step finished, and where a non-finite loss began."""
     if r.loss is None:
         return "-"
     return f"{r.loss:.3f}" + (f" (not finite from {r.nonfinite})" if r.nonfinite else "")
