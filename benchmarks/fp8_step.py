@@ -60,7 +60,10 @@ class Result:
 
     ms: list[float] = dataclasses.field(default_factory=list)
     """Median ms per step of each pass."""
-    loss: float = float("nan")
+    loss: float | None = None
+    """The last timed step's loss; None (not NaN) when no step finished: FAILED, not timed."""
+    nonfinite: str = ""
+    """``step k of n`` (warm-up counted) where the loss first was not finite."""
     peak_gib: float = 0.0
     note: str = ""
     """Why it was not timed, or what it converted."""
@@ -170,8 +173,9 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
     result.converted, _, result.note = note.rpartition("|")
     if model is None:
         return
+    losses = []  # every step's loss, on the device: no host sync until the end
     for _ in range(args.warmup):
-        step(model, opt, *batch(), device.type, args.grad_accum)
+        losses.append(step(model, opt, *batch(), device.type, args.grad_accum))
     sync(device)
     rounds, issued = [], []
     for _ in range(args.rounds):
@@ -179,7 +183,7 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
         sync(device)
         t0 = time.perf_counter()
         for x, y in xs:
-            loss = step(model, opt, x, y, device.type, args.grad_accum)
+            losses.append(loss := step(model, opt, x, y, device.type, args.grad_accum))
         issued.append((time.perf_counter() - t0) / args.steps * 1e3)
         sync(device)
         rounds.append((time.perf_counter() - t0) / args.steps * 1e3)
@@ -193,6 +197,8 @@ def time_variant(variant: str, args, device: torch.device, result: Result) -> No
             lambda: step(model, opt, *next(xs), "cuda", args.grad_accum), steps=3, warmup=1
         )
     result.loss = loss.item()
+    if len(bad := torch.stack(losses).isfinite().logical_not().nonzero()) and not result.nonfinite:
+        result.nonfinite = f"step {bad[0].item()} of {len(losses)}"
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
 
@@ -225,6 +231,13 @@ def run(args) -> dict[str, Result]:
     return results
 
 
+def loss_cell(r: Result) -> str:
+    """The loss cell: ``-`` when no step finished, and where a non-finite loss began."""
+    if r.loss is None:
+        return "-"
+    return f"{r.loss:.3f}" + (f" (not finite from {r.nonfinite})" if r.nonfinite else "")
+
+
 def table(args, results: dict[str, Result]) -> list[str]:
     def ratio(v: str, base: str) -> str:
         b = results.get(base)
@@ -250,7 +263,7 @@ def table(args, results: dict[str, Result]) -> list[str]:
         rows.append(
             f"| {v} | {r.best:.1f} | {min(r.host_ms, default=float('nan')):.1f} | "
             f"{ratio(v, 'bf16')} | {ratio(v, 'bf16+compile')} | "
-            f"{ratio(v, 'torchao+compile')} | {r.loss:.3f} | {r.peak_gib:.1f} | "
+            f"{ratio(v, 'torchao+compile')} | {loss_cell(r)} | {r.peak_gib:.1f} | "
             f"{r.converted or ('-' if r.ms else 'not timed')} |"
         )
     notes = dict.fromkeys(
@@ -356,7 +369,7 @@ def run_all_rows(ctx, group) -> list:
                 against.best,
                 "peer step, ms",
                 goal,
-                note=f"{args.preset}, FP8 layers {r.converted}, loss {r.loss:.3f}",
+                note=f"{args.preset}, FP8 layers {r.converted}, loss {loss_cell(r)}",
             )
         )
     return rows
