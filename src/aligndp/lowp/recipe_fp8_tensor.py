@@ -146,10 +146,12 @@ class _Saved(NamedTuple):
 
 def _mm(a: Quantized, b_t: Quantized, dtype, *, fast: bool, bias=None, out=None) -> torch.Tensor:
     """``a @ b_t.data.T`` scaled, ``a`` row-major (M, K), ``b_t`` row-major (N, K); into
-    ``out`` (row-major (M, N) of ``dtype``) when given. cuBLASLt takes no bias with a
-    float32 output, so there the bias is added after the GEMM."""
-    if bias is not None and dtype == torch.float32:
-        return _mm(a, b_t, dtype, fast=fast, out=out).add_(bias)
+    ``out`` (row-major (M, N) of ``dtype``) when given. cuBLASLt takes no bias and no fast
+    accumulation with a float32 output (H200: CUBLAS_STATUS_NOT_SUPPORTED), so there the
+    bias is added after the GEMM and the accumulation is the exact one."""
+    if dtype == torch.float32 and (bias is not None or fast):
+        y = _mm(a, b_t, dtype, fast=False, out=out)
+        return y if bias is None else y.add_(bias)
     return torch._scaled_mm(
         a.data,
         b_t.data.t(),  # (K, N) column-major, as cuBLASLt wants its second operand
