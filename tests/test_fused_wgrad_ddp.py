@@ -153,6 +153,42 @@ def check_against_one_process(
     model.remove_hooks()
 
 
+@case(2)
+def case_fused_layer_used_more_often_than_last_step_raises_on_every_rank(rank, ws):
+    """[Note: bucket readiness]: ``mix`` (fused) is used twice per forward, so its bucket
+    launches after its second wgrad; a step that uses it three times delivers the third after
+    the launch. That contribution cannot be reduced any more, so it is flagged in the agreement
+    and the next reduction raises the same error on every rank (every param had a gradient,
+    so the flags were read without a host sync: [Note: agreement without a host sync])."""
+    model = DataParallel(make_mx_model(), config=DDPConfig(bucket_numel=500, start_alignment=1))
+    net = model.module
+
+    def loss(x, y, uses: int):
+        h = x + net.fc2(F.gelu(net.fc1(x)))
+        for _ in range(uses - 1):
+            h = torch.tanh(net.mix(h))
+        return F.cross_entropy(net.head(net.mix(h)), y, reduction="sum") / TOKENS
+
+    def step(k: int, uses: int) -> None:
+        model.zero_grad_buffer()
+        x, y = global_batch(k, ws)
+        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        model(x[mine])  # through the wrapper: arms the step
+        loss(x[mine], y[mine], uses).backward()
+        model.finish_grad_sync()
+
+    for k in range(2):
+        step(k, uses=2)  # readiness learned: mix arrives twice
+    step(2, uses=3)
+    try:
+        step(3, uses=2)
+    except RuntimeError as e:
+        assert "mix.weight" in str(e) and "after their bucket's collective started" in str(e), e
+    else:
+        raise AssertionError("a wgrad that arrived after its bucket launched was not reported")
+    model.remove_hooks()
+
+
 @case(2, 3)
 def case_fused_replicated_matches_one_process(rank, ws):
     check_against_one_process(Mode.REPLICATED, rank=rank, ws=ws)

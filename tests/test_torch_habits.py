@@ -527,12 +527,13 @@ def net_with_tagged_mix() -> Net:
     return net
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_param_unused_on_every_rank_is_not_stepped(rank, ws):
     """Row: a param that gets no gradient in a step. Was: stepped anyway with a zero
     gradient (AdamW momentum and weight decay kept moving it). As torch DDP with
     find_unused_parameters=True: p.grad stays None and the param does not move. Also for
-    params of a ``Parameter`` subclass (issue 25, group 9), whose views are zeroed eagerly."""
+    params of a ``Parameter`` subclass (issue 25, group 9), whose views are zeroed eagerly. One
+    rank too, whose agreement is decoded on the host without a collective."""
     for mode, factory in [(m, make_net) for m in ("none", "zero1", "muon zero1")] + [
         (m, net_with_tagged_mix) for m in ("none", "zero1")
     ]:
