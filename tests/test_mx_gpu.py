@@ -57,6 +57,8 @@ def test_fp8_1x128_quantise_kernels_agree_with_torch():
     g = torch.Generator(device=DEV).manual_seed(2)
     x = torch.randn(640, 384, generator=g, device=DEV, dtype=torch.bfloat16) * 7
     x[:128, 5] = 0.0  # an all-zero column block: scale 1, data 0
+    x[7, 128:256] = 0.0  # a row block below the amax floor: 448 / amax would overflow to inf,
+    x[7, 130] = 1e-37  # and its zeros become NaN (0 * inf); floored at 1e-30, they stay 0
     outs = [
         quantize_rows_and_columns(x, block=128, scale_format=ScaleFormat.FP32, impl=impl)
         for impl in ("gluon", "triton")
@@ -72,7 +74,8 @@ def test_fp8_1x128_quantise_kernels_agree_with_torch():
     blocks = x.float().view(640, 3, 128)
     amax = blocks.abs().amax(-1)
     fp8_max = torch.full_like(amax, 448.0)
-    safe = torch.where(amax > 0, amax, fp8_max)
+    safe = torch.where(amax > 0, amax.clamp(min=1e-30), fp8_max)
+    assert row.data.float().isfinite().all() and col.data.float().isfinite().all()
     assert torch.equal(
         row.scale_t, (safe / fp8_max).T
     )  # tensor / tensor: correctly rounded, like div_rn

@@ -219,6 +219,27 @@ def test_zero1_with_one_rank_matches_the_replicated_run(one_rank, tmp_path):
     assert _losses(tmp_path) == pytest.approx(_losses(one_rank), rel=LOSS_REL)
 
 
+def test_compile_trains_through_the_compiled_wrapper(one_rank, tmp_path, monkeypatch):
+    """--compile compiles the wrapped model (TrainConfig.compile) and trains the same curve as
+    eager; aot_eager here (Inductor's C++ build would cost the CPU suite a minute), so the
+    graphs are the same ops: fp32 summation order at most. On CPU the default stays eager."""
+    import torch
+
+    compiled = []
+    real = torch.compile
+
+    def aot_eager(model, **kwargs):
+        compiled.append(model)
+        return real(model, backend="aot_eager")
+
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    assert _train([*COMMON, "--nproc", "1", "--compile"], tmp_path) == 0
+    assert [type(m).__name__ for m in compiled] == ["DataParallel"]
+    assert _losses(tmp_path) == pytest.approx(_losses(one_rank), rel=LOSS_REL)
+    assert _train([*COMMON, "--nproc", "1", "--steps", "1"], tmp_path / "eager") == 0
+    assert len(compiled) == 1  # neither flag on CPU: not compiled
+
+
 def test_sharded_muon_on_two_ranks_matches_one_process(tmp_path):
     """Layer-wise Muon with ZeRO-1 AdamW for the rest, 2 micro-batches, evaluation between
     steps (a forward while the param all-gather may be pending), against replicated Muon in
@@ -331,6 +352,7 @@ def test_flags_are_pinned():
         "--device",
         "--dtype",
         "--compile",
+        "--no-compile",
         "--eval-every",
         "--checkpoint-dir",
         "--checkpoint-every",

@@ -23,7 +23,7 @@ import signal
 import sys
 import uuid
 
-from aligndp.app.train_config import TrainConfig, add_arguments, config_from_args
+from aligndp.app.train_config import TrainConfig, add_arguments, compile_blocker, config_from_args
 from aligndp.models.gpt import PRESETS
 
 __all__ = ["TrainConfig", "add_arguments", "config_from_args", "launch_local", "run", "train"]
@@ -34,17 +34,8 @@ def _inside_torchrun() -> bool:
 
 
 def check_can_compile(device: str) -> None:
-    """Raise a one-line ``ValueError`` where ``torch.compile``'s default backend (inductor)
-    cannot build kernels: Triton on CUDA, a C++ compiler on CPU."""
-    import importlib.util
-    import shutil
-
-    why = None
-    if device == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            why = "torch.compile on CUDA needs Triton, which is not installed"
-    elif not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
-        why = "torch.compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH"
+    """Raise a one-line ``ValueError`` where ``--compile`` cannot work on ``device``."""
+    why = compile_blocker(device)
     if why:
         raise ValueError(f"--compile: {why}; install it or drop --compile")
 

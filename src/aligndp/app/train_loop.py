@@ -17,13 +17,14 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import aligndp
 from aligndp.app.data import BatchSpec, TokenData
-from aligndp.app.train_config import TrainConfig, describe_mesh
+from aligndp.app.train_config import TrainConfig, compiles, describe_mesh
 from aligndp.app.train_report import (
     MetricsLog,
     Progress,
@@ -176,6 +177,8 @@ class _Job:
     dp_size: int
     peak_lrs: list[float]
     """Each optimizer param group's lr as built (see _set_lr)."""
+    forward: Callable
+    """``model``, or ``torch.compile(model)`` (TrainConfig.compile): what batches go through."""
 
     @property
     def replicas(self) -> int:
@@ -228,17 +231,11 @@ def _setup(config: TrainConfig) -> _Job:
         fp8_param_gather=config.fp8_param_gather,
         mesh=mesh,
     )
-    if config.compile:
-        compile_blocks(module)
+    # the wrapper is compiled for the forward calls only: no_sync, checkpoints and the
+    # optimizer keep the DataParallel itself (its state-dict keys have no _orig_mod prefix)
+    forward = torch.compile(model) if compiles(config) else model
     peak_lrs = [group["lr"] for group in getattr(optimizer, "param_groups", ())]
-    return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs)
-
-
-def compile_blocks(module: GPT, backend: str = "inductor") -> None:
-    """``torch.compile`` each block in place (after parallelize: the params stay the wrapper's),
-    so every block's backward is its own node and its params' hooks fire as it ends."""
-    for name, block in list(module.blocks.named_children()):
-        module.blocks.register_module(name, torch.compile(block, backend=backend))
+    return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs, forward)
 
 
 def _train_step(job: _Job, step: int) -> float:
@@ -252,7 +249,7 @@ def _train_step(job: _Job, step: int) -> float:
         last = micro_batch == micro_batches - 1
         with contextlib.nullcontext() if last else job.model.no_sync():
             with job.autocast():
-                loss = job.model(x.to(job.device), y.to(job.device))
+                loss = job.forward(x.to(job.device), y.to(job.device))
             (loss / micro_batches).backward()
         loss_sum += loss.detach()
     job.optimizer.step()
@@ -268,7 +265,7 @@ def _evaluate(job: _Job) -> float:
     for index in range(EVAL_BATCHES):
         x, y = job.data.batch(index, spec, seed=0, rank=job.rank, split="eval")
         with job.autocast():
-            total += job.model(x.to(job.device), y.to(job.device)).float()
+            total += job.forward(x.to(job.device), y.to(job.device)).float()
     return job.global_mean(total / EVAL_BATCHES)
 
 

@@ -175,7 +175,7 @@ def _block_scales(
         return biased.to(gl.uint8), inv
     else:
         amax = gl.reduce(ax, axis, _max_num)  # NaN ignored, as tl.max in the plain-Triton kernel
-        safe = gl.where(amax > 0, amax, FP8_MAX)
+        safe = gl.where(amax > 0, gl.maximum(amax, 1e-30), FP8_MAX)  # as the Triton kernel
         return gl.div_rn(safe, FP8_MAX), gl.div_rn(FP8_MAX, safe)
 
 

@@ -1,4 +1,6 @@
-"""The ``fp8`` wgrad recipe: 1x128 blockwise FP8 E4M3 with float32 scales ``amax / 448``.
+"""The ``fp8`` wgrad recipe: 1x128 blockwise FP8 E4M3 with float32 scales ``amax / 448``
+(``amax`` floored at 1e-30 as fp8-tensor's, so a block of tiny values cannot turn its zeros
+into NaN through an infinite inverse scale; an all-zero block gets scale 1).
 
 cuBLASLt's FP8 GEMM needs 16-byte aligned output pointers. Layers need dims that are multiples
 of 32, as MXLinear has always asked; the GPU backend zero-pads feature dims to its 128 block

@@ -29,7 +29,9 @@ def _scales(amax, has_nan, EMAX: tl.constexpr, FP8_MAX: tl.constexpr, MX: tl.con
         inv = tl.where(biased == 255, 0.0, inv)
         return biased.to(tl.uint8), inv
     else:
-        safe = tl.where(amax > 0, amax, FP8_MAX)
+        # floored at 1e-30 (fp8-tensor's AMAX_FLOOR): below ~1.3e-36, 448 / amax overflows to
+        # inf and the block's zeros would become NaN (0 * inf)
+        safe = tl.where(amax > 0, tl.maximum(amax, 1e-30), FP8_MAX)
         return tl.math.div_rn(safe, FP8_MAX), tl.math.div_rn(FP8_MAX, safe)
 
 
