@@ -312,8 +312,35 @@ def check_cached_weights_equal_uncached(
         assert torch.equal(a, b), f"{sharding}: param {i} differs with the weight cache"
 
 
+def check_cached_weights_follow_a_load(rank: int) -> None:
+    """A model-space state load outside any step (what ``aligndp.load`` does) writes the
+    params through the all-gather (no version bump, no optimizer step): a layer that cached
+    the weights it had before the load quantises the loaded ones, as one without cache does."""
+    trained, opt = aligndp.parallelize(make_net(), sharding="zero1", wgrad="fp8-tensor", lr=0.05)
+    x, y = batch(rank, 0)
+    F.cross_entropy(trained(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    state = opt.model_space_state_dict()  # owned params and optimizer state, by name
+    outputs = []
+    for cache in (True, False):
+        net = make_net()
+        for m in net.modules():
+            if isinstance(m, MXLinear):
+                m.cache_weight = cache
+        model, opt = aligndp.parallelize(net, sharding="zero1", wgrad="fp8-tensor", lr=0.05)
+        x, _ = batch(rank, 1)
+        with torch.no_grad():
+            before = model(x)  # quantises (and caches) the weights as built
+            opt.load_model_space_state_dict(state)
+            outputs.append(model(x))
+    assert not torch.equal(before, outputs[1]), "the load changed no weight: the test is moot"
+    assert torch.equal(outputs[0], outputs[1]), "a cached layer kept its weights across a load"
+
+
 @case(2)
 def case_cached_weights_zero1(rank, ws):
+    check_cached_weights_follow_a_load(rank)
     check_cached_weights_equal_uncached("zero1", rank, overlap=False)
     check_cached_weights_equal_uncached("zero1", rank, overlap=True)
     check_cached_weights_equal_uncached("zero1", rank, overlap=False, optimizer="muon")
