@@ -218,9 +218,11 @@ def test_registered_for_every_consumer():
 TOKENS, DIM, HIDDEN = 32, 48, 80
 
 
-def make_net() -> nn.Module:
+def make_net(cache_weight: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    return convert_to_mxfp8(MLP(DIM, HIDDEN, 5), backend="fp8-tensor", layers="all")
+    return convert_to_mxfp8(
+        MLP(DIM, HIDDEN, 5), backend="fp8-tensor", layers="all", cache_weight=cache_weight
+    )
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,10 +280,7 @@ def check_cached_weights_equal_uncached(
     ``param.data =`` write between micro-batches goes through the wrapped param's copy."""
     runs = []
     for cache in (True, False):
-        net = make_net()
-        for m in net.modules():
-            if isinstance(m, MXLinear):
-                m.cache_weight = cache
+        net = make_net(cache_weight=cache)
         model, opt = aligndp.parallelize(
             net,
             sharding=sharding,
@@ -324,10 +323,7 @@ def check_cached_weights_follow_a_load(rank: int) -> None:
     state = opt.model_space_state_dict()  # owned params and optimizer state, by name
     outputs = []
     for cache in (True, False):
-        net = make_net()
-        for m in net.modules():
-            if isinstance(m, MXLinear):
-                m.cache_weight = cache
+        net = make_net(cache_weight=cache)
         model, opt = aligndp.parallelize(net, sharding="zero1", wgrad="fp8-tensor", lr=0.05)
         x, _ = batch(rank, 1)
         with torch.no_grad():
