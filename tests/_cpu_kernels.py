@@ -19,6 +19,7 @@ import torch
 
 from aligndp.lowp.mx_format import quantize_mxfp8
 from aligndp.lowp.recipe import ScaleFormat
+from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR
 from aligndp.lowp.triton_common import QuantizedOperand
 
 E4M3_MAX = 448.0
@@ -33,7 +34,7 @@ def _quantize_along_rows(x: torch.Tensor, block: int, mx: bool):
     blocks = x.float().view(m, n // block, block)
     amax = blocks.abs().amax(-1)
     fp8_max = torch.full_like(amax, E4M3_MAX)
-    safe = torch.where(amax > 0, amax.clamp(min=1e-30), fp8_max)
+    safe = torch.where(amax > 0, amax.clamp(min=AMAX_FLOOR), fp8_max)
     data = (blocks * (fp8_max / safe)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     return data.to(torch.float8_e4m3fn).view(m, n), (safe / fp8_max).T
 

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 from aligndp.lowp import MXLinear, get_backend, get_recipe, quantize_mxfp8  # noqa: E402
 from aligndp.lowp.backends import ReferenceBackend  # noqa: E402
 from aligndp.lowp.recipe import ScaleFormat  # noqa: E402
+from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR  # noqa: E402
 from aligndp.plan.fused import GradTarget  # noqa: E402
 from tests.models import order_tolerance  # noqa: E402
 
@@ -74,7 +75,7 @@ def test_fp8_1x128_quantise_kernels_agree_with_torch():
     blocks = x.float().view(640, 3, 128)
     amax = blocks.abs().amax(-1)
     fp8_max = torch.full_like(amax, 448.0)
-    safe = torch.where(amax > 0, amax.clamp(min=1e-30), fp8_max)
+    safe = torch.where(amax > 0, amax.clamp(min=AMAX_FLOOR), fp8_max)
     assert row.data.float().isfinite().all() and col.data.float().isfinite().all()
     assert torch.equal(
         row.scale_t, (safe / fp8_max).T
