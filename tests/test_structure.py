@@ -249,9 +249,11 @@ def test_a_note_said_to_be_in_a_file_is_written_there():
 ALLOWED_PRIVATE_TORCH = {
     "torch.Tensor._make_wrapper_subclass": "ShardedGrad: a tensor that refuses every use",
     "torch._foreach_copy_": "one launch to cast many masters back",
+    "torch._foreach_add_": "one launch to add many gradients into their views",
     "torch._foreach_norm": "one launch for many grad norms",
     "torch._scaled_mm": "the fp8-tensor recipe's GEMM (torch has no public one)",
     "torch.autograd.Variable._execution_engine": "the end-of-backward callback, as torch DDP",
+    "torch.utils._pytree": "the tensors of any module output (namedtuples, registered classes)",
 }
 DEPRECATED_TORCH = ("torch.distributed._shard", "ShardedTensor")
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 import aligndp
 from aligndp.plan.routing import route_params
+from aligndp.runtime.step_state import StepState
 from tests._dist import case, make_tests
 from tests._habits_models import (
     LR,
@@ -63,6 +64,55 @@ def grads_are_main_grad_views(model) -> None:
 
 
 # ---- p.grad after backward(): clipping, logging, GradScaler ----
+
+
+def published(model, mode: str) -> None:
+    """The reduction has run by the time ``backward()`` returns: replicated grads are their
+    views, sharded ones their owned pieces ([Note: step states])."""
+    if mode == "none":
+        grads_are_main_grad_views(model)
+    else:
+        assert model.reducer.state is StepState.REDUCED, model.reducer.state
+
+
+@case(1, 2)
+def case_one_rank_collects_gradients_at_the_end_as_torch(rank, ws):
+    """[Note: one rank collects at the end] (grad_sync.py): one rank registers no per-param
+    hook, yet every habit reads as with hooks, beside torch DDP: ``p.grad`` is the reduced
+    view when ``backward()`` returns; micro-batches under ``no_sync`` sum; a backward that
+    bypasses the wrapper (``model.module``) is still seen at the step; a second backward of
+    a retained graph adds (replicated, one rank). Each mode, SGD and AdamW; two ranks keep
+    their hooks."""
+    for mode in ("none", "zero1"):
+        for optimizer in ("sgd", "adamw"):
+            model, opt = wrap(make_net(), mode, optimizer=optimizer)
+            assert model.reducer.collecting == (ws == 1), (mode, ws)
+            torch_opt = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+            ref = TorchDDP(make_net(), mode, optimizer=torch_opt)
+            what = f"{mode} {optimizer} ws {ws}"
+            for m in (model, ref.model):  # 0: one backward through the wrapper
+                backward_on(m, 0, rank, ws)
+            published(model, mode)
+            step_both(model, opt, ref, f"{what} step 0")
+            for m in (model, ref.model):  # 1: micro-batches, all but the last under no_sync
+                parts = micro_batches(1, rank, ws, 3)
+                for i, (idx, tgt, share) in enumerate(parts):
+                    with m.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+                        (loss_of(m, idx, tgt) * share).backward()
+            published(model, mode)
+            step_both(model, opt, ref, f"{what} step 1 (no_sync)")
+            if ws == 1:  # 2: the wrapped module's own forward (no collective to miss)
+                for m in (model, ref.model):
+                    backward_on(m.module, 2, rank, ws)
+                step_both(model, opt, ref, f"{what} step 2 (model.module)")
+            # 3: the same graph backward twice; zero1 refuses it (sharded grads), and torch DDP
+            # leaves a second backward that no forward prepared unreduced (no peer at ws 2)
+            if mode == "none" and ws == 1:
+                for m in (model, ref.model):
+                    loss = loss_of(m, *batch(3, rank, ws))
+                    loss.backward(retain_graph=True)
+                    loss.backward()
+                step_both(model, opt, ref, f"{what} step 3 (retain_graph)")
 
 
 @case(2, 3)

@@ -46,6 +46,9 @@ class Fp8TensorGatherCodec:
     def publish(self, param: nn.Parameter, data: torch.Tensor, scale: torch.Tensor) -> None:
         layer = self._layers.get(id(param))
         if layer is not None and layer.cache_weight:
+            # the scale gets storage of its own: cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED,
+            # H200) a scale pointer 4 bytes into the bucket's scales, which ``scale`` is
+            scale = scale.clone()
             layer.set_quantised_weight(Quantized(data, scale, data.t().contiguous()))
 
 

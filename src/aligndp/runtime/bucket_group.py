@@ -72,7 +72,7 @@ class BucketGroup:
         self.defer = False
         """Its params' first gradients of a step are kept as autograd made them and copied into
         the buffer in one ``_foreach_copy_`` at launch ([Note: one copy per bucket] in
-        grad_sync.py): set per round by the reducer from the last round's arrivals."""
+        grad_landing.py): set per round by the reducer from the last round's arrivals."""
         self.deferred: list[tuple[int, torch.Tensor]] = []
         """(param index, gradient) waiting for that copy."""
         self._reduce_work: Work | None = None

@@ -26,13 +26,12 @@ strictly in index order (bucket i waits for 0..i-1), so every rank issues the sa
 The first synchronised backward launches everything at its end.
 
 [Note: lazy zeroing]
-``zero_grad`` zeroes each buffer of [Note: gradient as bucket view] in one op (autograd adds
-into those views) and only marks the other params' ``main_grad`` stale: such a param's first
-gradient of the step is *copied* into its view, later ones added; a view still stale when its
-bucket is launched — an unused param — is zeroed then. Either way a param is stale (unused)
-until something writes it. A fused wgrad kernel handed a stale view overwrites it
-([Note: write, not accumulate] in aligndp/plan/fused.py). Padding is never written, so it
-stays zero.
+``zero_grad`` zeroes [Note: gradient as bucket view]'s buffers where autograd adds into the
+views ([Note: deferring buckets are not zeroed] in grad_landing.py) and marks the other
+params' ``main_grad`` stale: a first gradient is *copied* into its view, later ones added; a
+view still stale at its bucket's launch (an unused param) is zeroed then. A param is stale
+(unused) until something writes it; a fused wgrad kernel handed a stale view overwrites it
+([Note: write, not accumulate] in aligndp/plan/fused.py). Padding is never written: zero.
 
 [Note: gradient as bucket view]
 Where a buffer's grad dtype is its params' dtype, ``forward`` (grad enabled) makes each param's
@@ -231,13 +230,13 @@ class DataParallel(nn.Module):
             rank=self.world_rank,
             device=self.device,
             eager_zero=claim_params(self, self.params),
+            fused=bool(fused),
         )
         self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(hook)
-            for p, hook in zip(self.params, self.reducer.hooks)
-        ]
+        collecting = self.reducer.collecting  # [Note: one rank collects at the end]: no hooks
+        hooks = [] if collecting else zip(self.params, self.reducer.hooks)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p, hook in hooks]
         gather = self.param_gather  # state_dict() reads the params: their gathers first
         self._hooks.append(
             self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
@@ -360,6 +359,8 @@ class DataParallel(nn.Module):
             self.reducer._reopen()  # before autograd accumulates into a ShardedGrad
             self.reducer.arm()  # [Note: gradient as bucket view]
         out = self.module(*args, **kwargs)
+        if self.reducer.collecting and torch.is_grad_enabled():
+            self.reducer.landing.watch(self.reducer, out)
         gather = self.param_gather
         if gather.in_flight:
             self.reducer.note_unwaited(gather.pending_params())

@@ -20,24 +20,8 @@ closure bound to its ``k``, its view and its :class:`BucketGroup`. On the direct
 ([Note: gradient as bucket view] in ddp.py: ACCUMULATING and ``param.grad`` is the view)
 the hook only marks the param written and counts its group down; every other case goes
 through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
-kernel's ``mark_ready`` runs the same ``arrive`` closure.
-
-[Note: one copy per bucket]
-Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into
-the buffer: one kernel launch per param on the host, where plain torch *steals* the tensor
-the backward made (no kernel). Under ``torch.compile`` the backward's own launches are few, so
-those per-param launches were most of aligndp's extra host time (one H200, gpt2-small: 150
-elementwise kernels, 0.7 ms of GPU time and about 4 ms more host time per step than plain
-torch). So once a synchronised backward has shown which params arrive (the readiness hints),
-a bucket whose params each arrived exactly once, and whose collective therefore launches
-during backward, *defers*: its params are not armed, AccumulateGrad steals their gradients,
-the hook keeps each (``BucketGroup.deferred``), and the group's launch copies them all into
-the buffer with one ``torch._foreach_copy_`` (a few multi-tensor kernels) before its
-collective, then makes each ``param.grad`` the view, as the armed path would have. A
-deferred gradient lives until its bucket launches: at most about one bucket of extra memory,
-since only buckets that launch during backward defer (the first backward, a bucket holding a
-param unused last time, ``no_sync`` rounds and fused-wgrad params keep the armed path). Anything
-that reads a view before its launch (``param.main_grad``, the end of backward) flushes first.
+kernel's ``mark_ready`` runs the same ``arrive`` closure. Deferring, collecting and what
+``zero_grad`` zeroes: grad_landing.py.
 """
 
 from __future__ import annotations
@@ -52,6 +36,7 @@ import torch.nn as nn
 from aligndp.plan.fused import GradTarget
 from aligndp.runtime.bucket_group import BucketGroup
 from aligndp.runtime.collectives import Collectives
+from aligndp.runtime.grad_landing import Landing
 from aligndp.runtime.grads import same_storage
 from aligndp.runtime.reduction import Reduction
 from aligndp.runtime.step_flags import PendingFlags
@@ -78,9 +63,11 @@ class GradReducer(Reduction):
         rank: int,
         device: torch.device,
         eager_zero: set[nn.Parameter],
+        fused: bool = False,
     ) -> None:
         """``params`` in registration order; ``config``: the model's ``DDPConfig``; ``rank``: among
-        all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``."""
+        all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``;
+        ``fused``: the model has fused-wgrad layers (they write their views themselves)."""
         self.index, self.groups, self.config = index, list(groups), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
@@ -131,6 +118,9 @@ class GradReducer(Reduction):
         self.nonfinite: str | None = None
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
+        self.landing = Landing(self, fused=fused)  # grad_landing.py
+        self.collecting = self.landing.collecting
+        """[Note: one rank collects at the end] in grad_landing.py."""
         bound = [self._bind(k) for k in range(n)]
         self.hooks = [hook for hook, _ in bound]
         """Each param's post-accumulate-grad hook, in registration order; the model registers
@@ -203,6 +193,8 @@ class GradReducer(Reduction):
         """``param.main_grad`` for users: the view, zeroed first if stale. Touching it during a
         step counts as giving the param a gradient (it is reduced and stepped)."""
         k = self._k[param]
+        if self.collecting and self.state is not StepState.REDUCED:
+            self.landing.collect(self)
         self._flush(self._group_of[k])
         self._take(k)
         if self.state is StepState.IDLE:
@@ -224,6 +216,8 @@ class GradReducer(Reduction):
     def arm(self) -> None:
         """Before a forward with grad: make every direct param's ``param.grad`` its view, so
         autograd accumulates into the buffer itself ([Note: gradient as bucket view])."""
+        if self.collecting:  # autograd keeps its own tensors until _collect
+            return
         armed, views, groups = self._armed, self._views, self._group_of
         for k, p in enumerate(self.params):
             if self._direct[k] and p.grad is None and not groups[k].defer:
@@ -282,14 +276,18 @@ class GradReducer(Reduction):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if self._sync_enabled and not self.replaced:
+            if self.collecting:  # a backward after the reduction accumulated into the views
+                self._reopen()
             self.finish_grad_sync()
 
     def _take(self, k: int) -> None:
         """Zero a stale view before something accumulates into or reads it (the views of
-        direct buffers are zero already: zero_grad zeroed them whole)."""
+        direct buffers are zero already, unless their group deferred: zero_grad zeroed the
+        rest, [Note: deferring buckets are not zeroed] in grad_landing.py)."""
         if self._stale[k]:
             self._stale[k] = False
-            if not self._direct[k]:
+            if not self._direct[k] or self.landing.unzeroed[k]:
+                self.landing.unzeroed[k] = False
                 self._views[k].zero_()
 
     def note_unwaited(self, params: set[nn.Parameter]) -> None:
@@ -363,8 +361,7 @@ class GradReducer(Reduction):
         """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
         every ``param.grad`` is dropped."""
         self._stale[:] = [not z for z in self._eager_zero]
-        for buf in self._direct_buffers:  # one op per buffer ([Note: gradient as bucket view])
-            buf.grad_data.zero_()
+        self.landing.zero_buffers(self)
         for k, zero in enumerate(self._eager_zero):
             if zero and not self._direct[k]:
                 self._views[k].zero_()

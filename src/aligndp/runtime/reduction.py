@@ -46,7 +46,7 @@ class Reduction:
 
     def _launch(self, group: BucketGroup) -> None:
         assert group.position == self._next_launch, "buckets launch in index order"
-        self._flush(group)  # [Note: one copy per bucket] in grad_sync.py
+        self._flush(group)  # [Note: one copy per bucket] in grad_landing.py
         stale, used, eager_zero = self._stale, self._used, self._eager_zero
         for slot in group.slots:
             k = slot.index
@@ -90,6 +90,8 @@ class Reduction:
         more often, a stale read) are raised at the end of the next reduction, on every rank
         alike. One rank alone (dp 1, no check_finite) agrees with itself on the host: its
         flags never go to the device."""
+        if self.collecting and self.state is not StepState.REDUCED:
+            self.landing.collect(self)  # [Note: one rank collects at the end] in grad_landing.py
         if self.state is not StepState.ACCUMULATING:
             return self.reduced()
         self._raise_pending_problems()
@@ -114,7 +116,7 @@ class Reduction:
         if self.config.overlap:  # [Note: bucket readiness]: this round's counts are the hints
             self._expected[:] = self._fired
             direct, expected = self._direct, self._expected
-            for g in self.groups:  # [Note: one copy per bucket] in grad_sync.py
+            for g in self.groups:  # [Note: one copy per bucket] in grad_landing.py
                 g.defer = all(direct[s.index] and expected[s.index] == 1 for s in g.slots)
         self._reset_round()
         self.epoch += 1

@@ -1,0 +1,153 @@
+"""How a step's first gradients reach the buffers where autograd does not add them into the
+views, and which direct views ``zero_grad`` may therefore leave as they are: one
+:class:`Landing` per :class:`~aligndp.runtime.grad_sync.GradReducer` (``reducer.landing``).
+[Note: one copy per bucket]
+Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into
+the buffer: one kernel launch per param on the host, where plain torch *steals* the tensor
+the backward made (no kernel). Under ``torch.compile`` the backward's own launches are few, so
+those per-param launches were most of aligndp's extra host time (one H200, gpt2-small: 150
+elementwise kernels, 0.7 ms of GPU time and about 4 ms more host time per step than plain
+torch). So once a synchronised backward has shown which params arrive (the readiness hints),
+a bucket whose params each arrived exactly once, and whose collective therefore launches
+during backward, *defers*: its params are not armed, AccumulateGrad steals their gradients,
+the hook keeps each (``BucketGroup.deferred``), and the group's launch copies them all into
+the buffer with one ``torch._foreach_copy_`` (a few multi-tensor kernels) before its
+collective, then makes each ``param.grad`` the view, as the armed path would have. A
+deferred gradient lives until its bucket launches: at most about one bucket of extra memory,
+since only buckets that launch during backward defer (the first backward, a bucket holding a
+param unused last time, ``no_sync`` rounds and fused-wgrad params keep the armed path). Anything
+that reads a view before its launch (``param.main_grad``, the end of backward) flushes first.
+
+[Note: deferring buckets are not zeroed]
+A deferring bucket's views are overwritten by its copy, so ``zero_grad`` leaves them as they
+are (``_unzeroed``) and zeroes only the buckets autograd will add into, each run of
+neighbouring ones in one op: once every param arrives once per step, nothing is zeroed at
+all. Where a view of such a bucket is still stale when something reads it (an unused param at
+its bucket's launch, ``param.main_grad``), ``_take`` zeroes that view alone. A bucket holding a
+param that keeps its own ``Parameter`` subclass (its ``main_grad`` is read without us) is
+zeroed as before. On one H200 the whole-buffer zeroing was about 1.2 ms of a 92 ms 1b step.
+
+[Note: one rank collects at the end]
+One rank alone (dp 1, no replicas) reduces nothing, so there is nothing to overlap and no
+reason to hear from each param as its gradient arrives. Where every buffer is direct, no
+layer writes its own wgrad (fused), ``check_finite`` is off and no gather is coded, the
+reducer is *collecting*: no per-param hook is registered and nothing is armed; autograd
+steals each gradient into ``param.grad`` as in plain torch (and accumulates onto it over
+micro-batches); one tensor hook on the wrapped module's output queues the end-of-backward
+callback, which copies every ``param.grad`` into its view (one ``_foreach_copy_``; an add
+where the view already holds a gradient), makes ``param.grad`` the view and reduces as
+before. ``finish_grad_sync`` and ``param.main_grad`` collect first, so a backward that
+bypassed the wrapper's output is still seen at the step. What one backward publishes, which
+params count as used, the step states and the errors are those of the hooked path; the
+difference is the host cost: on one H200, compiled gpt2-small, the hooks were about 2 ms of
+host time per step, against one Python loop over the params at the end.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from aligndp.runtime.step_state import StepState
+
+__all__ = ["Landing"]
+
+
+class Landing:
+    """Per reducer: whether it collects ([Note: one rank collects at the end]) and which direct
+    views ``zero_grad`` left unwritten ([Note: deferring buckets are not zeroed])."""
+
+    def __init__(self, r, *, fused: bool) -> None:
+        """``r``: the reducer (its params, views, groups and config are built);
+        ``fused``: the model has fused-wgrad layers (they write their views themselves)."""
+        self.collecting = (
+            r.world_size == 1
+            and all(r._direct)
+            and not fused
+            and not r.config.check_finite
+            and not any(b.gather_data is not None for b in r.index.buffers)
+        )
+        """No per-param hooks: the gradients autograd left in ``param.grad`` are copied into
+        the buffer once, at the end of backward."""
+        self.unzeroed = [False] * len(r.params)
+        """A direct view ``zero_grad`` left as it was (read only while the param is stale)."""
+        self._members = [[s.index for s in g.slots] for g in r.groups]
+        # a group holding a param of its own Parameter class (main_grad read without us)
+        self._must_zero = [any(r._eager_zero[k] for k in m) for m in self._members]
+
+    def zero_buffers(self, r) -> None:
+        """Zero the direct buffers where autograd will add into them: every bucket but those
+        whose group defers or collects; a whole buffer, or each run of neighbouring buckets,
+        in one op."""
+        keep: dict[int, set[int]] = {}  # id(buffer) -> buckets left as they are
+        unzeroed = self.unzeroed
+        unzeroed[:] = [False] * len(unzeroed)
+        for g in r.groups:
+            members = self._members[g.position]
+            copied_in = g.defer or self.collecting
+            if copied_in and r._direct[members[0]] and not self._must_zero[g.position]:
+                keep.setdefault(id(g.buffer), set()).add(g.ref.bucket)
+                for k in members:
+                    unzeroed[k] = True
+        for buf in r._direct_buffers:
+            skip = keep.get(id(buf))
+            if not skip:
+                buf.grad_data.zero_()
+                continue
+            buckets, run = buf.layout.buckets, None
+            for i in range(len(buckets) + 1):
+                if i < len(buckets) and i not in skip:
+                    run = i if run is None else run
+                elif run is not None:  # buckets run..i-1, and the padding between them
+                    buf.grad_data[buckets[run].start : buckets[i - 1].end].zero_()
+                    run = None
+
+    def watch(self, r, output: object) -> None:
+        """Collecting: queue ``r``'s end-of-backward reduction from the first gradient that
+        reaches ``output`` (the wrapped module's, any nesting): one tensor hook per forward
+        instead of one hook per param."""
+        me = weakref.ref(r)  # the hooks live on the outputs: they must not keep r alive
+
+        def queue(_grad: torch.Tensor) -> None:
+            reducer = me()
+            if reducer is not None and not reducer._callback_queued:
+                reducer._queue_end_of_backward()
+
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(queue)
+
+    @torch.no_grad()
+    def collect(self, r) -> None:
+        """Bring every gradient autograd left in ``param.grad`` into its view — copied where
+        the view is stale, added where it holds one already, each kind in one multi-tensor op
+        — and make ``param.grad`` the view. Off that path (a sparse or reshaped gradient)
+        the hook's own ``_absorb``."""
+        views, stale, used, armed = r._views, r._stale, r._used, r._armed
+        copy_to, copy_from, add_to, add_from, odd = [], [], [], [], []
+        for k, p in enumerate(r.params):
+            g = p.grad
+            if g is None:
+                continue
+            view = views[k]
+            if g is view:
+                used[k] = True
+            elif g.dtype is not view.dtype or g.shape != view.shape or g.layout != torch.strided:
+                odd.append(k)
+            elif stale[k]:
+                copy_to.append(view), copy_from.append(g)
+                stale[k] = False
+                p.grad, armed[k], used[k] = view, True, True
+            else:
+                add_to.append(view), add_from.append(g)
+                p.grad, armed[k], used[k] = view, True, True
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+        if add_to:
+            torch._foreach_add_(add_to, add_from)
+        for k in odd:
+            r._absorb(r.params[k], k)
+            stale[k], used[k] = False, True
+        if (copy_to or add_to or odd) and r.state is StepState.IDLE:
+            r._begin_accumulating()
