@@ -31,7 +31,7 @@ layer; the address table is rebuilt whenever a lookup misses or finds a weight t
 
 from __future__ import annotations
 
-import functools
+import sys
 import weakref
 from collections.abc import Sequence
 
@@ -124,12 +124,13 @@ def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor]):
 # ---- the Hopper kernels (Triton imported by the real impls only) ----
 
 
-@functools.cache
 def _triton_kernels():
-    """:mod:`aligndp.lowp.triton_kernels`, imported (with Triton) on the first eager call: an
-    import statement per call costs more host time than this lookup."""
-    import aligndp.lowp.triton_kernels as kernels
-
+    """:mod:`aligndp.lowp.triton_kernels` as ``sys.modules`` holds it (tests put CPU stand-ins
+    there), imported with Triton on first use: a dict lookup, cheaper per call than an import
+    statement."""
+    kernels = sys.modules.get("aligndp.lowp.triton_kernels")
+    if kernels is None:
+        from aligndp.lowp import triton_kernels as kernels
     return kernels
 
 
