@@ -237,6 +237,10 @@ def test_hooks_and_unknown_internals_launch_through_triton_every_time():
     launch[(1,)](ALIGNED, (1, 2), BLOCK=64, FLAG=False)
     assert kinds(fn) == ["triton", "triton"]
 
+    for _ in range(2):  # an option the key does not cover
+        launch[(1,)](ALIGNED, 5, BLOCK=64, FLAG=False, extern_libs={"lib": "path"})
+    assert kinds(fn) == ["triton", "triton"]
+
     interpreted, env, launch = launcher(compiled=False)  # kernel[grid] returned no kernel
     for _ in range(2):
         launch[(1,)](ALIGNED, 5, BLOCK=64, FLAG=False)

@@ -199,30 +199,31 @@ class CheapLauncher:
         env = self._env
         if env is None:
             env = self._env = self._make_env()
-        if self._names is None or _THROUGH_TRITON[0] or env.hooked() or self._pre_run_hooks:
-            self.fn[grid](*args, **kwargs)
+        key, bound = self._key(env, args, kwargs)
+        cached = None if key is None else self._kernels.get(key)
+        if cached is None:  # Triton binds, specializes, compiles or finds, and launches
+            kernel = self.fn[grid](*args, **kwargs)
+            parts = tuple(getattr(kernel, a, None) for a in ("run", "function", "packed_metadata"))
+            if key is not None and None not in parts:
+                self._kernels[key] = parts
             return
+        run, function, metadata = cached
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        run(g0, g1, g2, env.stream(key[0]), function, metadata, None, None, None, *bound)
+
+    def _key(self, env, args: tuple, kwargs: dict) -> tuple[tuple | None, tuple]:
+        """(the cache key, the arguments in signature order), or (None, ()) where this call
+        must go through Triton."""
+        if self._names is None or _THROUGH_TRITON[0] or env.hooked() or self._pre_run_hooks:
+            return None, ()
         try:
             bound = args + tuple(
                 kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(args) :]
             )
         except KeyError:  # a missing argument: Triton says which
-            self.fn[grid](*args, **kwargs)
-            return
+            return None, ()
         spec = specialization_key(bound, **self._rules)
-        if spec is None:
-            self.fn[grid](*args, **kwargs)
-            return
         options = tuple(item for item in kwargs.items() if item[0] not in self._name_set)
-        device = env.device()
-        key = (device, env.debug(), options, spec)
-        cached = self._kernels.get(key)
-        if cached is None:
-            kernel = self.fn[grid](*args, **kwargs)
-            run, function = getattr(kernel, "run", None), getattr(kernel, "function", None)
-            if run is not None and function is not None and hasattr(kernel, "packed_metadata"):
-                self._kernels[key] = (run, function, kernel.packed_metadata)
-            return
-        run, function, metadata = cached
-        g0, g1, g2 = (*grid, 1, 1)[:3]
-        run(g0, g1, g2, env.stream(device), function, metadata, None, None, None, *bound)
+        if spec is None or not all(isinstance(v, _PLAIN) for _, v in options):
+            return None, ()
+        return (env.device(), env.debug(), options, spec), bound
