@@ -31,6 +31,7 @@ layer; the address table is rebuilt whenever a lookup misses or finds a weight t
 
 from __future__ import annotations
 
+import importlib
 import sys
 import weakref
 from collections.abc import Sequence
@@ -129,9 +130,7 @@ def _triton_kernels():
     there), imported with Triton on first use: a dict lookup, cheaper per call than an import
     statement."""
     kernels = sys.modules.get("aligndp.lowp.triton_kernels")
-    if kernels is None:
-        from aligndp.lowp import triton_kernels as kernels
-    return kernels
+    return kernels or importlib.import_module("aligndp.lowp.triton_kernels")
 
 
 def _quantize_rc(
