@@ -329,19 +329,19 @@ def has_gluon() -> bool:
     return _gluon is not None and torch.cuda.get_device_capability() == (9, 0)
 
 
-QUANTISE = [  # (impl, block, shape): 352 x 224 is not a multiple of the 64-wide tiles
-    ("triton", 32, (352, 224)),
-    ("triton", 128, (384, 640)),
-    ("gluon", 32, (352, 224)),
-    ("gluon", 128, (384, 640)),
+QUANTISE = [  # (impl, MX or 1x128, shape): 352 x 224 is not a multiple of the 64-wide tiles
+    ("triton", True, (352, 224)),
+    ("triton", False, (384, 640)),
+    ("gluon", True, (352, 224)),
+    ("gluon", False, (384, 640)),
 ]
 
 
 @gpu
-@pytest.mark.parametrize("impl, block, shape", QUANTISE)
-@pytest.mark.parametrize("mx", [True, False])
-def test_row_column_quantise_fast_path_is_bit_identical(monkeypatch, impl, block, shape, mx):
-    """The plain-Triton quantise (also from an unaligned input) and the Gluon one."""
+@pytest.mark.parametrize("impl, mx, shape", QUANTISE)
+def test_row_column_quantise_fast_path_is_bit_identical(monkeypatch, impl, mx, shape):
+    """The plain-Triton quantise (also from an unaligned input) and the Gluon one, MXFP8
+    (1x32, E8M0) and 1x128 (float32 scales)."""
     from aligndp.lowp.recipe import ScaleFormat
     from aligndp.lowp.triton_kernels import quantize_rows_and_columns
 
@@ -351,6 +351,7 @@ def test_row_column_quantise_fast_path_is_bit_identical(monkeypatch, impl, block
         import aligndp.lowp.gluon_quantize as module
     else:
         import aligndp.lowp.triton_quantize as module
+    block = 32 if mx else 128
     fmt = ScaleFormat.E8M0 if mx else ScaleFormat.FP32
     inputs = [torch.randn(*shape, device="cuda", dtype=torch.bfloat16)]
     if impl == "triton":
@@ -368,9 +369,9 @@ def test_row_column_quantise_fast_path_is_bit_identical(monkeypatch, impl, block
             monkeypatch.undo()
 
 
-GEMMS = [  # (impl, block, M, N, K): M, N not multiples of the plain-Triton tiles
+GEMMS = [  # (impl, block, M, N, K); MXFP8's N and K are not multiples of the bf16 GEMM's tiles
     ("mx", 32, 256, 192, 352),
-    ("triton", 128, 320, 192, 384),
+    ("triton", 128, 384, 256, 384),
     ("gluon", 128, 256, 384, 512),
 ]
 
