@@ -10,7 +10,12 @@ import types
 import pytest
 import torch
 
-from aligndp.lowp.triton_launch import CheapLauncher, specialization_key, through_triton
+from aligndp.lowp.triton_launch import (
+    CheapLauncher,
+    position_rules,
+    specialization_key,
+    through_triton,
+)
 
 BASE = torch.zeros(64)  # float32: an offset of 4 elements is 16 bytes
 ALIGNED, ALIGNED_TOO, UNALIGNED = BASE[:32], BASE[4:36], BASE[1:33]
@@ -79,25 +84,28 @@ UNSPECIALIZED = [
 
 @pytest.mark.parametrize("rule, a, b, apart", UNSPECIALIZED, ids=range(len(UNSPECIALIZED)))
 def test_key_follows_do_not_specialize(rule, a, b, apart):
-    rules = {rule: frozenset({1})}
-    ka = specialization_key([ALIGNED, a], **rules)
-    kb = specialization_key([ALIGNED, b], **rules)
+    rules = position_rules(2, **{rule: frozenset({1})})
+    ka = specialization_key([ALIGNED, a], rules)
+    kb = specialization_key([ALIGNED, b], rules)
     assert (ka != kb) is apart, (ka, kb)
     # the other positions keep their rules
-    assert specialization_key([UNALIGNED, a], **rules) != ka
+    assert specialization_key([UNALIGNED, a], rules) != ka
 
 
 def test_constexprs_are_keyed_by_value_and_objects_by_identity():
     """A constexpr is compiled in: every value is its own kernel (Triton keys it by value;
     here an object such as a ``tl.dtype`` or a Gluon layout by identity, which is finer)."""
-    cx = frozenset({0})
-    assert specialization_key([64], constexpr=cx) != specialization_key([128], constexpr=cx)
-    assert specialization_key([64], constexpr=cx) == specialization_key([64], constexpr=cx)
-    assert specialization_key([True], constexpr=cx) != specialization_key([1], constexpr=cx)
-    assert specialization_key([True], constexpr=cx) != specialization_key([False], constexpr=cx)
+
+    def key(value):
+        return specialization_key([value], position_rules(1, constexpr=frozenset({0})))
+
+    assert key(64) != key(128)
+    assert key(64) == key(64)
+    assert key(True) != key(1)
+    assert key(True) != key(False)
     one, other = object(), object()
-    assert specialization_key([one], constexpr=cx) == specialization_key([one], constexpr=cx)
-    assert specialization_key([one], constexpr=cx) != specialization_key([other], constexpr=cx)
+    assert key(one) == key(one)
+    assert key(one) != key(other)
 
 
 def test_arguments_the_rules_do_not_cover_have_no_key():
@@ -259,6 +267,9 @@ def test_defaults_fill_missing_arguments():
     launch[(1,)](ALIGNED)
     launch[(1,)](ALIGNED)
     assert fn.log[1][1][9:] == (ALIGNED, 32)
+    fn.log.clear()
+    launch[(1,)](ALIGNED, 32, 5)  # one argument too many: Triton's error, not ours
+    assert kinds(fn) == ["triton"]
 
 
 # ---- on a GPU: the cached launch against kernel[grid], kernel by kernel ----

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["CheapLauncher", "specialization_key", "through_triton"]
+__all__ = ["CheapLauncher", "position_rules", "specialization_key", "through_triton"]
 
 _PLAIN = (int, float, str, type(None))
 """Constexpr values keyed by value (bool too, apart from ints: ``True == 1``)."""
@@ -75,41 +75,57 @@ def _int_class(v: int, value: bool, align: bool):
     return (width, value and align and v % 16 == 0)
 
 
-def specialization_key(
-    args: Sequence,
-    *,
+SPECIALIZED, CONSTEXPR, NO_VALUE, NO_ALIGN = range(4)
+"""What Triton does with an argument position: specializes it on its value (the default),
+compiles it in, or keeps only its type (``do_not_specialize``) or drops the 16-byte rule
+(``do_not_specialize_on_alignment``)."""
+
+
+def position_rules(
+    n: int,
     constexpr: frozenset[int] = frozenset(),
     do_not_specialize: frozenset[int] = frozenset(),
     do_not_specialize_on_alignment: frozenset[int] = frozenset(),
-) -> tuple | None:
+) -> tuple[int, ...]:
+    """The rule of each of ``n`` positions from the sets of positions Triton's params name."""
+    return tuple(
+        CONSTEXPR
+        if i in constexpr
+        else NO_VALUE
+        if i in do_not_specialize
+        else NO_ALIGN
+        if i in do_not_specialize_on_alignment
+        else SPECIALIZED
+        for i in range(n)
+    )
+
+
+def specialization_key(args: Sequence, rules: Sequence[int] | None = None) -> tuple | None:
     """A hashable key of ``args`` (the kernel's arguments in signature order) that differs
     wherever Triton 3.6 would compile another kernel, or None for an argument type these rules
-    do not cover (the caller then launches through Triton). The sets hold argument positions.
+    do not cover (the caller then launches through Triton). ``rules``: one per position
+    (:func:`position_rules`; default all ``SPECIALIZED``).
 
     - constexpr: the value (bools apart from ints; other objects by identity);
-    - tensor: dtype, and whether ``data_ptr()`` is 16-byte aligned (unless the position is in
-      either ``do_not_specialize`` set);
+    - tensor: dtype, and (``SPECIALIZED`` only) whether ``data_ptr()`` is 16-byte aligned;
     - bool: nothing (type ``u1``); float: nothing (``fp32``); None: a constant;
     - int: equal to 1, type by range (i32 / i64 / u64), multiple of 16 (:func:`_int_class`);
     - tensor descriptor (``base`` and ``block_shape``): its class, dtype, block shape, layout.
     Finer than Triton where that is cheaper (a bool-typed ``1`` vs ``True``): a finer key only
     costs one more trip through ``kernel[grid]``."""
     key = []
-    for i, a in enumerate(args):
-        if i in constexpr:
+    for rule, a in zip(rules or (SPECIALIZED,) * len(args), args, strict=True):
+        if rule == CONSTEXPR:
             if isinstance(a, bool):
                 key.append(("bool", a))
             else:
                 key.append(a if isinstance(a, _PLAIN) else _Same(a))
-            continue
-        value = i not in do_not_specialize
-        align = i not in do_not_specialize_on_alignment
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, value and align and a.data_ptr() % 16 == 0))
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, rule == SPECIALIZED and a.data_ptr() % 16 == 0))
         elif isinstance(a, bool):
             key.append("u1")
         elif isinstance(a, int):
-            part = _int_class(a, value, align)
+            part = _int_class(a, rule != NO_VALUE, rule == SPECIALIZED)
             if part is None:
                 return None
             key.append(part)
@@ -179,18 +195,14 @@ class CheapLauncher:
             self._name_set = frozenset(self._names)
             self._defaults = {p.name: p.default for p in params if p.has_default}
             self._pre_run_hooks = fn.pre_run_hooks  # a list Triton appends to
-            positions = {
-                flag: frozenset(i for i, p in enumerate(params) if getattr(p, flag))
+            flags = [
+                frozenset(i for i, p in enumerate(params) if getattr(p, flag))
                 for flag in ("is_constexpr", "do_not_specialize", "do_not_specialize_on_alignment")
-            }
+            ]
         except (AttributeError, TypeError):
             self._names = None  # not the JITFunction this was written for: never fast
             return
-        self._rules = dict(
-            constexpr=positions["is_constexpr"],
-            do_not_specialize=positions["do_not_specialize"],
-            do_not_specialize_on_alignment=positions["do_not_specialize_on_alignment"],
-        )
+        self._rules = position_rules(len(params), *flags)
 
     def __getitem__(self, grid: tuple):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -200,7 +212,10 @@ class CheapLauncher:
         if env is None:
             env = self._env = self._make_env()
         key, bound = self._key(env, args, kwargs)
-        cached = None if key is None else self._kernels.get(key)
+        try:
+            cached = None if key is None else self._kernels.get(key)
+        except TypeError:  # an unhashable option value
+            key = cached = None
         if cached is None:  # Triton binds, specializes, compiles or finds, and launches
             kernel = self.fn[grid](*args, **kwargs)
             parts = tuple(getattr(kernel, a, None) for a in ("run", "function", "packed_metadata"))
@@ -216,14 +231,19 @@ class CheapLauncher:
         must go through Triton."""
         if self._names is None or _THROUGH_TRITON[0] or env.hooked() or self._pre_run_hooks:
             return None, ()
-        try:
-            bound = args + tuple(
-                kwargs[n] if n in kwargs else self._defaults[n] for n in self._names[len(args) :]
-            )
-        except KeyError:  # a missing argument: Triton says which
+        if len(args) > len(self._names):  # Triton says what is wrong
             return None, ()
-        spec = specialization_key(bound, **self._rules)
-        options = tuple(item for item in kwargs.items() if item[0] not in self._name_set)
-        if spec is None or not all(isinstance(v, _PLAIN) for _, v in options):
+        if len(args) < len(self._names):
+            try:
+                rest = [
+                    kwargs[n] if n in kwargs else self._defaults[n]
+                    for n in self._names[len(args) :]
+                ]
+            except KeyError:  # a missing argument: Triton says which
+                return None, ()
+            args = (*args, *rest)
+        spec = specialization_key(args, self._rules)
+        if spec is None:
             return None, ()
-        return (env.device(), env.debug(), options, spec), bound
+        options = tuple([item for item in kwargs.items() if item[0] not in self._name_set])
+        return (env.device(), env.debug(), options, spec), args
