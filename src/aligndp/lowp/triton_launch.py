@@ -15,7 +15,11 @@ finds) the kernel and returns its ``CompiledKernel``; that kernel is cached unde
 :func:`specialization_key` plus the launch options and the current device. Later calls with
 the same key call ``CompiledKernel.run(grid0, grid1, grid2, stream, function, packed_metadata,
 None, None, None, *args)`` -- the call ``JITFunction.run`` itself ends with (Triton 3.6), without
-launch metadata and hooks.
+launch metadata and hooks (Triton 3.6's hook slots default to an empty ``HookChain``, not None,
+so its own path builds launch metadata and calls both chains on every launch). What the
+wrapper adds to that 5.6 us is its key: about 2.5 us of Python for the cast kernel's 11
+arguments on a slow shared 2-core CPU (not yet measured on the GPU host:
+``benchmarks/launch_cost.py``).
 
 What it relies on (else every call goes through ``kernel[grid]``, which is always correct):
 - the JIT function has ``params`` whose entries say ``name``, ``is_constexpr``,
