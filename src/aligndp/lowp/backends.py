@@ -67,6 +67,17 @@ def put_wgrad(target: GradTarget, wgrad: torch.Tensor) -> None:
         target.view.copy_(wgrad)
 
 
+def _where(main_grad: torch.Tensor) -> str:
+    """Where ``main_grad`` starts, for an error message only (its storage's address costs a
+    storage object per call, paid per wgrad if computed on the passing path)."""
+    item, address = main_grad.element_size(), main_grad.data_ptr()
+    offset = (address - main_grad.untyped_storage().data_ptr()) // item
+    return (
+        f"main_grad starts at element {offset} ({offset * item} B) of its storage, "
+        f"address {address:#x}"
+    )
+
+
 def check_main_grad(
     main_grad: torch.Tensor,
     requirement: Requirement,
@@ -106,23 +117,19 @@ def check_main_grad(
         )
     item = main_grad.element_size()
     address = main_grad.data_ptr()
-    offset = (address - main_grad.untyped_storage().data_ptr()) // item
     align = requirement.start_alignment(item)
-    where = (
-        f"main_grad starts at element {offset} ({offset * item} B) of its storage, "
-        f"address {address:#x}"
-    )
     if address % (align * item):
         raise ValueError(
-            f"{where}: address % {align * item} = {address % (align * item)}; "
+            f"{_where(main_grad)}: address % {align * item} = {address % (align * item)}; "
             f"rule: {requirement.rule} needs {align}-element starts ({align * item} B aligned "
             f"addresses); plan the layout with start_alignment={align} and allocate the buffer "
             "with aligned_empty()"
         )
     if address % byte_alignment:
         raise ValueError(
-            f"{where}: address % {byte_alignment} = {address % byte_alignment}; rule: the wgrad "
-            f"kernel needs {byte_alignment}-byte aligned pointers; allocate the buffer with torch"
+            f"{_where(main_grad)}: address % {byte_alignment} = {address % byte_alignment}; "
+            f"rule: the wgrad kernel needs {byte_alignment}-byte aligned pointers; allocate the "
+            "buffer with torch"
         )
 
 

@@ -7,12 +7,14 @@ to ±448 and cast to E4M3, written row-major and, when asked, transposed as well
 that wants the other layout needs no separate transpose of the FP8 tensor).
 
 Host cost per quantise ([Note: compiled MX layers] removes it under torch.compile): two
-launches (the floor for current scaling: [Note: quantise cost] in recipe_fp8_tensor.py) and
-one allocation, none where the caller passes a workspace (``grad_out``, used up within its
-backward). The amax scalar is a per-device workspace that is never zeroed by
-a launch of its own: each cast program takes a ticket (``atomic_add``, acquire-release, after
-its read of the amax), and the program that takes the last ticket sets the amax and the ticket
-back to 0 for the next quantise on the stream. The FP8 data, its transpose and the scale share
+launches (the floor for current scaling: [Note: quantise cost] in recipe_fp8_tensor.py), each
+through the cached compiled kernel ([Note: cheap launches] in triton_launch.py), one per-device
+lookup, and one allocation and its five views, none of either where the caller passes a
+workspace (``grad_out``, used up within its backward: its views are made once per shape).
+The amax scalar is a per-device workspace that is never zeroed by a launch of its own: each
+cast program takes a ticket (``atomic_add``, acquire-release, after its read of the amax), and
+the program that takes the last ticket sets the amax and the ticket back to 0 for the next
+quantise on the stream. The FP8 data, its transpose and the scale share
 one allocation (each FP8 tensor 256-byte aligned). Quantises on two streams at once would share
 the workspace: the recipe quantises on the current stream only.
 """
@@ -24,6 +26,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from aligndp.lowp.triton_launch import CheapLauncher
 
 __all__ = ["quantize_per_tensor"]
 
@@ -97,19 +101,34 @@ AMAX_LOOP = (2048, 4)
 4096 per iteration on H200, same file."""
 
 
-@functools.cache
-def _programs(device_index: int) -> int:
-    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+_amax = CheapLauncher(_amax_kernel)
+_cast = CheapLauncher(_cast_kernel)
 
 
 @functools.cache
-def _workspace(device_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's amax (float32) and ticket (int32) scalars, zeroed once here; every cast
-    leaves them zeroed again (module docstring)."""
-    device = torch.device("cuda", device_index)
-    return torch.zeros((), dtype=torch.float32, device=device), torch.zeros(
-        (), dtype=torch.int32, device=device
+def _device_state(index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The device's amax (float32) and ticket (int32) scalars, zeroed once here (every cast
+    leaves them zeroed again: module docstring), and its amax grid's size (4 programs per SM)."""
+    device = torch.device("cuda", index)
+    programs = 4 * torch.cuda.get_device_properties(index).multi_processor_count
+    return (
+        torch.zeros((), dtype=torch.float32, device=device),
+        torch.zeros((), dtype=torch.int32, device=device),
+        programs,
     )
+
+
+def _outputs(x: torch.Tensor, m: int, n: int, transposed: bool):
+    """``(q, q_t, scale)`` in one new allocation ``[q][q_t][scale]``, each FP8 tensor 256-byte
+    aligned as a tensor of its own would be (cuBLASLt may pick its GEMM by the operands'
+    alignment: the same bits as the torch-op path under torch.compile need the same pick)."""
+    numel_256 = -(-m * n // 256) * 256
+    end = numel_256 * (2 if transposed else 1)
+    buf = torch.empty(end + 4, dtype=torch.uint8, device=x.device)
+    fp8 = buf.view(torch.float8_e4m3fn)
+    q = fp8.as_strided((m, n), (n, 1))
+    q_t = fp8.as_strided((n, m), (m, 1), numel_256) if transposed else None
+    return q, q_t, buf.view(torch.float32).as_strided((), (), end // 4)
 
 
 def quantize_per_tensor(
@@ -117,32 +136,38 @@ def quantize_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t, scale)`` of a contiguous 2-D CUDA tensor: E4M3 ``q`` (rows, cols), its
     transpose ``q_t`` (cols, rows) when ``transposed`` (else None), and the float32 0-d scale
-    ``amax / 448`` with ``q * scale ≈ x``. With a ``workspace`` dict the three live in its
-    buffer for this size (made on first use), which the next call of the same size rewrites."""
+    ``amax / 448`` with ``q * scale ≈ x``. With a ``workspace`` dict the three are the ones
+    made for this shape on its first use (views built once, kept with their buffer), which
+    the next call of the same shape rewrites."""
     assert x.is_cuda and x.dim() == 2 and x.is_contiguous(), "internal: 2-D contiguous CUDA"
     m, n = x.shape
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    amax, ticket = _workspace(index)
+    index = x.get_device()
+    amax, ticket, programs = _device_state(index)
+    if workspace is None:
+        q, q_t, scale = _outputs(x, m, n, transposed)
+    else:
+        made = workspace.get((index, m, n, transposed))
+        if made is None:
+            made = workspace[(index, m, n, transposed)] = _outputs(x, m, n, transposed)
+        q, q_t, scale = made
+    numel = m * n
     block, unroll = AMAX_LOOP
-    grid = (max(1, min(triton.cdiv(x.numel(), block * unroll), _programs(index))),)
-    _amax_kernel[grid](x, amax, x.numel(), BLOCK=block, UNROLL=unroll, num_warps=8)
-    # one allocation: [q][q_t][scale], each FP8 tensor 256-byte aligned as a tensor of its own
-    # would be (cuBLASLt may pick its GEMM by the operands' alignment: the same bits as the
-    # torch-op path under torch.compile need the same pick)
-    numel_256 = triton.cdiv(m * n, 256) * 256
-    end = numel_256 * (2 if transposed else 1)
-    buf = None if workspace is None else workspace.get((x.device, end))
-    if buf is None:
-        buf = torch.empty(end + 4, dtype=torch.uint8, device=x.device)
-        if workspace is not None:
-            workspace[(x.device, end)] = buf
-    scale = buf[end:].view(torch.float32).view(())
-    q = buf[: m * n].view(torch.float8_e4m3fn).view(m, n)
-    q_t = q
-    if transposed:
-        q_t = buf[numel_256 : numel_256 + m * n].view(torch.float8_e4m3fn).view(n, m)
-    bm, bn, warps = TILE
-    _cast_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, amax, ticket, q, q_t, scale, m, n, BM=bm, BN=bn, WRITE_T=transposed, num_warps=warps
+    _amax[(max(1, min(-(-numel // (block * unroll)), programs)),)](
+        x, amax, numel, BLOCK=block, UNROLL=unroll, num_warps=8
     )
-    return q, (q_t if transposed else None), scale
+    bm, bn, warps = TILE
+    _cast[(-(-m // bm), -(-n // bn))](
+        x,
+        amax,
+        ticket,
+        q,
+        q if q_t is None else q_t,
+        scale,
+        m,
+        n,
+        BM=bm,
+        BN=bn,
+        WRITE_T=transposed,
+        num_warps=warps,
+    )
+    return q, q_t, scale

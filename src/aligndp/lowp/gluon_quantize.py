@@ -39,6 +39,7 @@ from triton.experimental.gluon import language as gl
 
 from aligndp.lowp.gluon_gemm import _sm_count
 from aligndp.lowp.recipe import ScaleFormat
+from aligndp.lowp.triton_launch import CheapLauncher
 
 __all__ = ["quantize"]
 
@@ -348,6 +349,9 @@ def _quantize_kernel(
         )
 
 
+_quantize = CheapLauncher(_quantize_kernel)  # [Note: cheap launches] in triton_launch.py
+
+
 def quantize(
     x: torch.Tensor,
     row,
@@ -364,19 +368,16 @@ def quantize(
     shapes and allocates). ``block`` is 32 or 128."""
     L, LM, LC, tile_m, tile_n, num_warps = _layouts(block)
     M, N = x.shape
-    dummy = x.new_empty(0)
+    spare = row or col  # pointers for the layout not written: never read, no allocation
     tiles = triton.cdiv(M, tile_m) * triton.cdiv(N, tile_n)
     persistent = _PERSISTENT[block]
-    if persistent:
-        grid = (min(tiles, persistent * _sm_count(x)),)
-    else:
-        grid = (tiles,)
-    _quantize_kernel[grid](
+    grid = (min(tiles, persistent * _sm_count(x.get_device())) if persistent else tiles,)
+    _quantize[grid](
         x,
-        row.data if row else dummy,
-        row.scale_t if row else dummy,
-        col.data if col else dummy,
-        col.scale_t if col else dummy,
+        (row or spare).data,
+        (row or spare).scale_t,
+        (col or spare).data,
+        (col or spare).scale_t,
         M,
         N,
         BLOCK=block,

@@ -31,12 +31,15 @@ layer; the address table is rebuilt whenever a lookup misses or finds a weight t
 
 from __future__ import annotations
 
+import importlib
+import sys
 import weakref
 from collections.abc import Sequence
 
 import torch
 from torch.fx.node import has_side_effect
 
+from aligndp.lowp.recipe import ScaleFormat
 from aligndp.plan.fused import GradTarget
 
 __all__ = ["compiling", "register_layer", "fused_wgrad", "quantize_rc", "scaled_mm"]
@@ -122,6 +125,14 @@ def fused_wgrad(backend, sink, weight, parts: Sequence[torch.Tensor]):
 # ---- the Hopper kernels (Triton imported by the real impls only) ----
 
 
+def _triton_kernels():
+    """:mod:`aligndp.lowp.triton_kernels` as ``sys.modules`` holds it (tests put CPU stand-ins
+    there), imported with Triton on first use: a dict lookup, cheaper per call than an import
+    statement."""
+    kernels = sys.modules.get("aligndp.lowp.triton_kernels")
+    return kernels or importlib.import_module("aligndp.lowp.triton_kernels")
+
+
 def _quantize_rc(
     x: torch.Tensor,
     block: int,
@@ -131,10 +142,7 @@ def _quantize_rc(
     one: bool = True,
     workspace: dict | None = None,
 ) -> list[torch.Tensor]:
-    from aligndp.lowp.recipe import ScaleFormat
-    from aligndp.lowp.triton_kernels import quantize_rows_and_columns
-
-    row, col = quantize_rows_and_columns(
+    row, col = _triton_kernels().quantize_rows_and_columns(
         x,
         block=block,
         scale_format=ScaleFormat.E8M0 if mx else ScaleFormat.FP32,
@@ -203,13 +211,11 @@ def _scaled_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    from aligndp.lowp.recipe import ScaleFormat
-    from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
-
+    kernels = _triton_kernels()
     out = a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
-    scaled_gemm(
-        QuantizedOperand(a, a_scale),
-        QuantizedOperand(b, b_scale),
+    kernels.scaled_gemm(
+        kernels.QuantizedOperand(a, a_scale),
+        kernels.QuantizedOperand(b, b_scale),
         out,
         block=block,
         scale_format=ScaleFormat.E8M0 if mx else ScaleFormat.FP32,

@@ -24,18 +24,23 @@ float32 input, one float32 intermediate (a 16-bit input's float32 copy is divide
 the ``E4M3_MAX`` divisor is made once per device. CUDA: two launches and at most one
 allocation, none for ``grad_out``, which the backward quantises into a workspace it uses up
 before the next backward (``x`` and the weight are saved for backward or cached, so they get
-storage of their own). Two launches are the floor for current scaling: no element can be
-cast before the whole tensor's amax is known, a grid-wide reduction, and Triton has no
-grid-wide barrier (a persistent kernel spinning on a global counter deadlocks unless every
-program is resident, which nothing guarantees). The ways below two change where the amax
-comes from: the previous op (Inductor fuses it there under torch.compile) or the previous
-step (delayed scaling: other numerics, so not the default). The weight pays its two launches
-once per step ([Note: weights once per step] in linear.py).
+storage of their own). Each launch skips Triton's per-call binder and cache key
+([Note: cheap launches] in triton_launch.py; on H200, 13.1 us of host per launch through
+``kernel[grid]``, 5.6 us for the bare cached launch, to which the wrapper adds its key), and a
+workspace keeps its views with its buffer (a new allocation adds five view ops). Two launches
+are the floor for current scaling: no element can be cast before the whole tensor's amax is
+known, a grid-wide reduction, and Triton has no grid-wide barrier (a persistent kernel
+spinning on a global counter deadlocks unless every program is resident, which nothing
+guarantees). The ways below two change where the amax comes from: the previous op (Inductor
+fuses it there under torch.compile) or the previous step (delayed scaling: other numerics, so
+not the default). The weight pays its two launches once per step
+([Note: weights once per step] in linear.py).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 import torch
@@ -96,6 +101,15 @@ def _e4m3_max(like: torch.Tensor) -> torch.Tensor:
     return const
 
 
+@functools.cache
+def _cuda_quantize():
+    """The Triton quantise, imported (with Triton) on first use: an import statement per call
+    costs more host time than this lookup."""
+    from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
+
+    return quantize_per_tensor
+
+
 def quantize_tensor(
     t: torch.Tensor, *, transposed: bool = False, workspace: dict | None = None
 ) -> Quantized:
@@ -105,9 +119,7 @@ def quantize_tensor(
     the next quantise of that size into it: only for operands used up before then); elsewhere,
     and under torch.compile, torch ops with the same maths. Cost: [Note: quantise cost]."""
     if t.is_cuda and not compiling():
-        from aligndp.lowp.fp8_tensor_kernels import quantize_per_tensor
-
-        data, data_t, scale = quantize_per_tensor(
+        data, data_t, scale = _cuda_quantize()(
             t.contiguous(), transposed=transposed, workspace=workspace
         )
         return Quantized(data, scale, data_t)

@@ -36,7 +36,8 @@ def _is_sm90(device_index: int) -> bool:
 
 
 def _device_index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    """The index of ``t``'s CUDA device (``get_device()``: no ``torch.device`` built per call)."""
+    return t.get_device()
 
 
 class QuantizedOperand(NamedTuple):

@@ -35,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_common import QuantizedOperand, _gluon, _use_gluon
+from aligndp.lowp.triton_launch import CheapLauncher
 
 __all__ = ["dequantize_operand", "scaled_gemm"]
 
@@ -157,13 +158,18 @@ def _mx_dequant_kernel(
     tl.store(out_ptr + offs, (x * scale).to(tl.bfloat16), mask=mask)
 
 
+_fp8_block_gemm = CheapLauncher(_fp8_block_gemm_kernel)
+_bf16_gemm = CheapLauncher(_bf16_gemm_kernel)
+_mx_dequant = CheapLauncher(_mx_dequant_kernel)
+
+
 def dequantize_operand(op: QuantizedOperand, *, block: int = 32) -> torch.Tensor:
     """An MXFP8 operand (E8M0 ``scale_t``) as a bfloat16 (rows, K) tensor, element for element
     ``data * 2**(byte - 127)`` (exact but for the rounding noted in [Note: block-scaled GEMM])."""
     rows, K = op.data.shape
     out = torch.empty(rows, K, dtype=torch.bfloat16, device=op.data.device)
     tile_r, tile_k = 32, 256
-    _mx_dequant_kernel[(triton.cdiv(rows, tile_r), triton.cdiv(K, tile_k))](
+    _mx_dequant[(triton.cdiv(rows, tile_r), triton.cdiv(K, tile_k))](
         op.data, op.scale_t, out, rows, K, BLOCK=block, TILE_R=tile_r, TILE_K=tile_k, num_warps=4
     )
     return out
@@ -235,7 +241,7 @@ def scaled_gemm(
         a16, b16 = dequantize_operand(a, block=block), dequantize_operand(b, block=block)
         cfg = dict(_BF16_TILE)
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        _bf16_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        _bf16_gemm[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
             _descriptor(a16, [bm, bk]),
             _descriptor(b16, [bn, bk]),
             _descriptor(out, [bm, bn]),
@@ -265,7 +271,7 @@ def scaled_gemm(
         )
     cfg = dict(_FP8_TILE)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    _fp8_block_gemm_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+    _fp8_block_gemm[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
         _descriptor(a.data, [bm, block]),
         _descriptor(a.scale_t, [1, bm]),
         _descriptor(b.data, [bn, block]),

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_common import QuantizedOperand, _gluon, _use_gluon
+from aligndp.lowp.triton_launch import CheapLauncher
 
 __all__ = ["quantize_rows_and_columns"]
 
@@ -90,6 +91,8 @@ def _quantize_kernel(
         tl.store(col_scale_ptr + offs_kb[:, None] * N + offs_n[None, :], scale, mask=smask)
 
 
+_quantize = CheapLauncher(_quantize_kernel)
+
 _FP8 = {
     torch.float8_e4m3fn: (tl.float8e4nv, 8, 448.0),
     torch.float8_e5m2: (tl.float8e5, 15, 57344.0),
@@ -116,12 +119,14 @@ def _operand(
             torch.empty(data_shape, dtype=elem_dtype, device=device),
             torch.empty(scale_shape, dtype=scale_dtype, device=device),
         )
-    used = data_shape[0] * data_shape[1] * elem_dtype.itemsize
-    data_bytes = -(-used // 256) * 256
-    scale_bytes = scale_shape[0] * scale_shape[1] * scale_dtype.itemsize
-    buf = torch.empty(data_bytes + scale_bytes, dtype=torch.uint8, device=device)
-    data = buf[:used].view(elem_dtype).view(data_shape)
-    return QuantizedOperand(data, buf[data_bytes:].view(scale_dtype).view(scale_shape))
+    # both as strided views of the whole buffer: four view ops, not six (host cost per call)
+    (rows, cols), (s_rows, s_cols) = data_shape, scale_shape
+    data_bytes = -(-rows * cols * elem_dtype.itemsize // 256) * 256
+    size = scale_dtype.itemsize
+    buf = torch.empty(data_bytes + s_rows * s_cols * size, dtype=torch.uint8, device=device)
+    data = buf.view(elem_dtype).as_strided(data_shape, (cols, 1))
+    scale = buf.view(scale_dtype).as_strided(scale_shape, (s_cols, 1), data_bytes // size)
+    return QuantizedOperand(data, scale)
 
 
 def quantize_rows_and_columns(
@@ -178,20 +183,22 @@ def quantize_rows_and_columns(
         row = _operand((M, N), (N // block, M), elem_dtype, scale_dtype, dev, one, workspace, "row")
     if colwise:
         col = _operand((N, M), (M // block, N), elem_dtype, scale_dtype, dev, one, workspace, "col")
+    if row is None and col is None:
+        return row, col
     if use_gluon:
         _gluon.quantize(
             x, row, col, block=block, scale_format=scale_format, out=out, emax=emax, fp8_max=fp8_max
         )
         return row, col
     tile = max(block, tile)
-    dummy = x.new_empty(0)
+    spare = row or col  # pointers for the layout not written: never read, no allocation
     grid = (triton.cdiv(M, tile), triton.cdiv(N, tile))
-    _quantize_kernel[grid](
+    _quantize[grid](
         x,
-        row.data if row else dummy,
-        row.scale_t if row else dummy,
-        col.data if col else dummy,
-        col.scale_t if col else dummy,
+        (row or spare).data,
+        (row or spare).scale_t,
+        (col or spare).data,
+        (col or spare).scale_t,
         M,
         N,
         BLOCK=block,
