@@ -40,7 +40,11 @@ before. ``finish_grad_sync`` and ``param.main_grad`` collect first, so a backwar
 bypassed the wrapper's output is still seen at the step. What one backward publishes, which
 params count as used, the step states and the errors are those of the hooked path; the
 difference is the host cost: on one H200, compiled gpt2-small, the hooks were about 2 ms of
-host time per step, against one Python loop over the params at the end.
+host time per step, against one Python loop over the params at the end (the compiled step
+went from 1.085 to 0.994 of plain torch). The price is memory: every gradient autograd made
+lives until backward ends (the deferring path held about one bucket of them). Backward has
+freed most activations by then, so the step's peak moved little: gpt2-small eager peaked
+at 9.3 GiB against plain torch's 8.9, the difference being the buffer itself.
 """
 
 from __future__ import annotations
