@@ -1,6 +1,7 @@
 """How a step's first gradients reach the buffers where autograd does not add them into the
 views, and which direct views ``zero_grad`` may therefore leave as they are: one
 :class:`Landing` per :class:`~aligndp.runtime.grad_sync.GradReducer` (``reducer.landing``).
+
 [Note: one copy per bucket]
 Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into
 the buffer: one kernel launch per param on the host, where plain torch *steals* the tensor
@@ -20,7 +21,7 @@ that reads a view before its launch (``param.main_grad``, the end of backward) f
 
 [Note: deferring buckets are not zeroed]
 A deferring bucket's views are overwritten by its copy, so ``zero_grad`` leaves them as they
-are (``_unzeroed``) and zeroes only the buckets autograd will add into, each run of
+are (``Landing.unzeroed``) and zeroes only the buckets autograd will add into, each run of
 neighbouring ones in one op: once every param arrives once per step, nothing is zeroed at
 all. Where a view of such a bucket is still stale when something reads it (an unused param at
 its bucket's launch, ``param.main_grad``), ``_take`` zeroes that view alone. A bucket holding a
