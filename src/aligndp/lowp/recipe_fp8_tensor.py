@@ -158,9 +158,12 @@ class _Saved(NamedTuple):
 
 def _mm(a: Quantized, b_t: Quantized, dtype, *, fast: bool, bias=None, out=None) -> torch.Tensor:
     """``a @ b_t.data.T`` scaled, ``a`` row-major (M, K), ``b_t`` row-major (N, K); into
-    ``out`` (row-major (M, N) of ``dtype``) when given. cuBLASLt takes no bias and no fast
-    accumulation with a float32 output (H200: CUBLAS_STATUS_NOT_SUPPORTED), so there the
-    bias is added after the GEMM and the accumulation is the exact one."""
+    ``out`` (row-major (M, N) of ``dtype``) when given. With a float32 output the bias is
+    added after the GEMM (``_scaled_mm`` refuses a bias there) and the accumulation is the
+    exact one. The second was added for a CUBLAS_STATUS_NOT_SUPPORTED on H200 whose cause
+    turned out to be a misaligned scale pointer (fixed in fp8_gather.py): ``_scaled_mm`` takes
+    float32 outputs with fast accumulation; bringing it back is a numerics change left for a
+    measured run."""
     if dtype == torch.float32 and (bias is not None or fast):
         y = _mm(a, b_t, dtype, fast=False, out=out)
         return y if bias is None else y.add_(bias)

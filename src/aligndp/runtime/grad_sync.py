@@ -119,8 +119,6 @@ class GradReducer(Reduction):
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
         self.landing = Landing(self, fused=fused)  # grad_landing.py
-        self.collecting = self.landing.collecting
-        """[Note: one rank collects at the end] in grad_landing.py."""
         bound = [self._bind(k) for k in range(n)]
         self.hooks = [hook for hook, _ in bound]
         """Each param's post-accumulate-grad hook, in registration order; the model registers
@@ -179,6 +177,11 @@ class GradReducer(Reduction):
                 arrive(r, param)
 
         return hook, arrive
+
+    @property
+    def collecting(self) -> bool:
+        """[Note: one rank collects at the end] in grad_landing.py."""
+        return self.landing.collecting
 
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/plan/fused.py) ----
     def grad_target(self, param: nn.Parameter) -> GradTarget | None:
