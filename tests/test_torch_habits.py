@@ -18,6 +18,7 @@ import datetime
 import gc
 import math
 import time
+import weakref
 
 import pytest
 import torch
@@ -61,6 +62,74 @@ def grads_are_main_grad_views(model) -> None:
         assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), (
             f"{n}: p.grad must be the reduced main_grad view after backward() returns"
         )
+
+
+def _fp8_mlp() -> nn.Module:
+    """Two fp8-tensor Linears (CPU recipe) whose wgrads land in the buffer through the sink."""
+    from aligndp.lowp import convert_to_mxfp8
+
+    net = seeded(lambda: nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16)))
+    convert_to_mxfp8(net, backend="fp8-tensor", layers="all")
+    return net
+
+
+def _train_once(model, opt, rank: int, ws: int, fp8: bool) -> None:
+    if fp8:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+        model(x).square().mean().backward()
+    else:
+        backward_on(model, 0, rank, ws)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+
+
+@case(1, 2)
+def case_dropping_the_wrapper_frees_it_as_torch_ddp(rank, ws):
+    """[Note: dropped wrappers] (wrapped_param.py), beside torch DDP. Dropped with its module,
+    nothing of a trained wrapped model outlives it (params, buffers). Dropped with its
+    optimizer while the user keeps the module, the wrapper's buffers go too, no hook, sink or
+    param class of it stays on the module, and the module trains on in plain torch: its
+    gradients are those of a deep copy (no hook runs). Hooked and collecting paths, ZeRO-1
+    with overlapped gathers, fused fp8 wgrads."""
+    variants = [("none", {}, False), ("none", {"check_finite": True}, False)]
+    variants += [("zero1", {"overlap_param_gather": True}, False), ("none", {}, True)]
+    ref = TorchDDP(make_net(), "none")  # the reference: torch DDP frees the same way
+    _train_once(ref.model, ref, rank, ws, False)
+    torch_params = [weakref.ref(p) for p in ref.model.parameters()]
+    del ref
+    gc.collect()
+    assert not any(r() is not None for r in torch_params), "torch DDP reference did not free"
+    for mode, extra, fp8 in variants:
+        what = f"{mode} {extra} fp8={fp8} ws {ws}"
+        for keep in (False, True):
+            net = _fp8_mlp() if fp8 else make_net()
+            kw = {"wgrad": "fp8-tensor"} if fp8 else {}
+            model, opt = wrap(net, mode, **extra, **kw)
+            _train_once(model, opt, rank, ws, fp8)
+            buffers = [weakref.ref(b) for b in model.flat_buffers]
+            params = [weakref.ref(p) for p in net.parameters()]
+            del model, opt
+            if not keep:
+                del net
+            gc.collect()
+            assert not any(r() is not None for r in buffers), f"{what} keep={keep}: buffers"
+            if not keep:
+                assert not any(r() is not None for r in params), f"{what}: params outlive it"
+                continue
+            left = [
+                n
+                for n, m in net.named_modules()
+                if m._forward_pre_hooks or m._state_dict_pre_hooks or m.__dict__.get("_grad_sink")
+            ]
+            left += [n for n, p in net.named_parameters() if p._post_accumulate_grad_hooks]
+            left += [n for n, p in net.named_parameters() if type(p) is not nn.Parameter]
+            assert not left, f"{what}: the wrapper left hooks, sinks or classes on {left}"
+            twin = copy.deepcopy(net)
+            for m in (net, twin):
+                _train_once(m, None, rank, ws, fp8)
+            for (n, p), q in zip(net.named_parameters(), twin.parameters()):
+                assert torch.equal(p.grad, q.grad), f"{what}: {n}.grad differs from plain torch"
 
 
 # ---- p.grad after backward(): clipping, logging, GradScaler ----

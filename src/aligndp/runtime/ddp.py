@@ -84,7 +84,7 @@ from aligndp.runtime.step_state import (
     StepState,
     param_index,
 )
-from aligndp.runtime.wrapped_param import binding, claim_params
+from aligndp.runtime.wrapped_param import attach_to_module, binding, claim_params
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
 
@@ -237,12 +237,8 @@ class DataParallel(nn.Module):
         collecting = self.reducer.collecting  # [Note: one rank collects at the end]: no hooks
         hooks = [] if collecting else zip(self.params, self.reducer.hooks)
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p, hook in hooks]
-        gather = self.param_gather  # state_dict() reads the params: their gathers first
-        self._hooks.append(
-            self.module.register_state_dict_pre_hook(lambda *_a, **_k: gather.wait_all())
-        )
-        for _, m in fused:
-            m.bind_grad_sink(self.reducer)
+        # state_dict() waits for gathers, layers write to the reducer: [Note: dropped wrappers]
+        attach_to_module(self, self._hooks, self.reducer, self.param_gather, [m for _, m in fused])
 
     @property
     def collectives(self) -> Collectives:

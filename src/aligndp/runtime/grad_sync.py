@@ -16,7 +16,8 @@ See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step sta
 [Note: one closure per param]
 Per-param state is lists indexed by the param's registration index ``k`` (no dict or set
 lookup by param, whose hash is a Python call), and each param's post-accumulate hook is a
-closure bound to its ``k``, its view and its :class:`BucketGroup`. On the direct path
+closure bound to its ``k``, which finds its view and :class:`BucketGroup` through the
+reducer (weakly: [Note: dropped wrappers] in wrapped_param.py). On the direct path
 ([Note: gradient as bucket view] in ddp.py: ACCUMULATING and ``param.grad`` is the view)
 the hook only marks the param written and counts its group down; every other case goes
 through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
@@ -127,9 +128,10 @@ class GradReducer(Reduction):
 
     def _bind(self, k: int):
         """(hook, arrive) of param ``k`` ([Note: one closure per param])."""
-        me = weakref.ref(self)  # the hooks live on the params: they must not keep us alive
-        view, group = self._views[k], self._group_of[k]
+        # on the params: ours only weakly ([Note: dropped wrappers] in wrapped_param.py)
+        me = weakref.ref(self)
         stale, used, fired, expected = self._stale, self._used, self._fired, self._expected
+        dtype, shape = self._views[k].dtype, self._views[k].shape
 
         def arrive(r: GradReducer, param: nn.Parameter) -> None:
             if not r._callback_queued:
@@ -141,6 +143,7 @@ class GradReducer(Reduction):
             if not r._sync_enabled:
                 return
             n = fired[k] = fired[k] + 1
+            group = r._group_of[k]
             if group.position < r._next_launch:
                 r._problems["late"].add(param)  # only a fused layer used more often than last time
             elif n == expected[k]:  # [Note: bucket readiness]: one count per bucket
@@ -149,18 +152,15 @@ class GradReducer(Reduction):
                     r._launch_ready()
                     r._launched_in_backward = r._next_launch
 
-        dtype, shape = view.dtype, view.shape
-
         def hook(param: nn.Parameter) -> None:
             r = me()
             if r is None:
                 return
             grad, state = param.grad, r.state
-            if state is _ACCUMULATING and grad is view:
+            if state is _ACCUMULATING and grad is r._views[k]:
                 arrive(r, param)
             elif (  # [Note: one copy per bucket]: keep the first gradient for the launch
-                group.defer
-                and stale[k]
+                stale[k]
                 and not fired[k]
                 and grad is not None
                 and r._sync_enabled
@@ -168,10 +168,11 @@ class GradReducer(Reduction):
                 and grad.dtype is dtype
                 and grad.shape == shape
                 and grad.layout is _STRIDED
+                and r._group_of[k].defer
             ):
                 if state is not _ACCUMULATING:
                     r._begin_accumulating()
-                group.deferred.append((k, grad))
+                r._group_of[k].deferred.append((k, grad))
                 arrive(r, param)
             elif r._absorb(param, k):
                 arrive(r, param)

@@ -71,7 +71,9 @@ class ParamGather:
             id(p): g for g in self._groups.values() for p in g.params
         }
         """id(param) -> the group holding it (a pending param's hash would wait: ids do not)."""
-        self._hooks = []
+        self.hooks: list = []
+        """Handles of the forward pre-hooks on the module (a dropped wrapper's finaliser
+        removes them: [Note: dropped wrappers] in wrapped_param.py)."""
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
 
@@ -106,7 +108,7 @@ class ParamGather:
             mine = {where[id(p)].ref for p in m.parameters(recurse=False) if id(p) in where}
             groups = [self._groups[ref] for ref in sorted(mine)]
             if groups:
-                self._hooks.append(m.register_forward_pre_hook(_waits_for(groups)))
+                self.hooks.append(m.register_forward_pre_hook(_waits_for(groups)))
 
     def launch_stepped(self, ref: BucketRef) -> None:
         """Start the gather of a bucket the optimizer has just stepped (layer-wise Muon steps
@@ -159,9 +161,9 @@ class ParamGather:
         return sum(g.gathering for g in self._groups.values())
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
+        for h in self.hooks:
             h.remove()
-        self._hooks.clear()
+        self.hooks.clear()
 
 
 def _waits_for(groups: list[BucketGroup]):

@@ -35,6 +35,7 @@ __all__ = [
     "ParamOwner",
     "PendingWaiter",
     "WrappedParameter",
+    "attach_to_module",
     "binding",
     "claim_params",
     "mark_pending",
@@ -92,6 +93,57 @@ def claim_params(owner: ParamOwner, params: Iterable[nn.Parameter]) -> set[nn.Pa
         elif not isinstance(p, WrappedParameter):
             eager_zero.add(p)
     return eager_zero
+
+
+def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) -> None:
+    """Bind ``owner`` (a DataParallel) to the user's module so that dropping ``owner`` frees
+    it ([Note: dropped wrappers]): a state-dict pre-hook that waits for ``gather``'s param
+    gathers (its handle appended to ``hooks``), ``sink`` bound to the fused-wgrad ``layers``
+    as a ``weakref.proxy``, and a finaliser that detaches everything when ``owner`` is
+    collected.
+
+    [Note: dropped wrappers]
+    Dropping a wrapped model frees it, as dropping torch DDP does. A param's post-accumulate
+    hook lives in a table torch keeps from C++, out of sight of Python's cycle collector, so a
+    hook that reached its param back (through its bucket group or buffer) kept both alive for
+    ever: the hooks reach the reducer weakly and find view and group through it
+    (grad_sync.py). A fused layer's sink is a proxy: the reducer reaches the optimizer, which
+    reaches the wrapper, so a strong sink kept the wrapper alive as long as the module. The
+    module's own hooks (state dict, gather pre-hooks) may hold the gather and its groups,
+    which reach neither the params nor the wrapper. A user who keeps the module but drops
+    wrapper and optimizer gets the module back detached once the wrapper is collected:
+    gathers still in flight waited for (the finaliser holds the gather), hooks removed, sinks
+    unbound, and params no newer wrapper owns given their ``nn.Parameter`` class back, so it
+    trains on in plain torch.
+    """
+    hooks.append(owner.module.register_state_dict_pre_hook(lambda *_: gather.wait_all()))
+    proxy = weakref.proxy(sink)
+    for m in layers:
+        m.bind_grad_sink(proxy)
+    weakref.finalize(
+        owner,
+        _release,
+        gather.wait_all,
+        [weakref.ref(p) for p in owner.params],
+        [hooks, gather.hooks],
+        [weakref.ref(m) for m in layers],
+        proxy,
+    )
+
+
+def _release(wait_all, params: list, handle_lists: list, layers: list, sink: object) -> None:
+    wait_all()  # gathers still in flight land first: pending params get their class back
+    for handles in handle_lists:
+        for h in handles:
+            h.remove()
+    for ref in layers:
+        m = ref()
+        if m is not None and m.__dict__.get("_grad_sink") is sink:
+            m.bind_grad_sink(None)
+    for ref in params:
+        p = ref()
+        if p is not None and type(p) is WrappedParameter and owner_of(p) is None:
+            p.__class__ = nn.Parameter
 
 
 class WrappedParameter(nn.Parameter):
