@@ -120,7 +120,7 @@ def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) 
     proxy = weakref.proxy(sink)
     for m in layers:
         m.bind_grad_sink(proxy)
-    weakref.finalize(
+    release = weakref.finalize(
         owner,
         _release,
         gather.wait_all,
@@ -129,6 +129,7 @@ def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) 
         [weakref.ref(m) for m in layers],
         proxy,
     )
+    release.atexit = False  # at exit there is nothing to hand back, maybe no group to wait on
 
 
 def _release(wait_all, params: list, handle_lists: list, layers: list, sink: object) -> None:
