@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+import gc
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -244,3 +246,31 @@ class LateGathers(TorchCollectives):
 
 
 aligndp.register_collectives(LateGathers.name, LateGathers)
+
+
+def dropped(build: Callable[[], tuple], keep: bool, what: str) -> nn.Module | None:
+    """[Note: dropped wrappers]: ``build()`` returns ``(module, wrapper, optimizer)``, trained,
+    holding their only references. Drop wrapper and optimizer (and the module, unless
+    ``keep``) and assert that nothing of the wrapper outlives them: no buffer, and without
+    ``keep`` no param; with ``keep`` the module comes back with no hook, grad sink or wrapped
+    param class of the wrapper's left on it."""
+    net, model, opt = build()
+    buffers = [weakref.ref(b) for b in model.flat_buffers]
+    params = [weakref.ref(p) for p in net.parameters()]
+    del model, opt
+    if not keep:
+        del net
+    gc.collect()
+    assert not any(r() is not None for r in buffers), f"{what} keep={keep}: buffers outlive it"
+    if not keep:
+        assert not any(r() is not None for r in params), f"{what}: params outlive the wrapper"
+        return None
+    left = [
+        n
+        for n, m in net.named_modules()
+        if m._forward_pre_hooks or m._state_dict_pre_hooks or m.__dict__.get("_grad_sink")
+    ]
+    left += [n for n, p in net.named_parameters() if p._post_accumulate_grad_hooks]
+    left += [n for n, p in net.named_parameters() if type(p) is not nn.Parameter]
+    assert not left, f"{what}: the dropped wrapper left hooks, sinks or classes on {left}"
+    return net

@@ -11,9 +11,7 @@ not fit the job is refused on every rank with one line.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
-import weakref
 from unittest import mock
 
 import pytest
@@ -27,6 +25,7 @@ from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode
 from aligndp.runtime.ddp import DataParallel
 from tests._dist import case, make_tests
+from tests._habits_models import dropped
 from tests.models import (
     ADAMW_GAIN,
     MUON_GAIN,
@@ -204,28 +203,19 @@ def case_dropping_a_meshed_wrapper_frees_it(rank, ws):
     """[Note: dropped wrappers] on a 2 x 2 mesh (replica all-reduces, shard gathers still in
     flight when the wrapper goes), as tests/test_torch_habits.py checks on a flat group:
     dropped with its module, nothing of the wrapper outlives it; with the module kept, its
-    buffers go too and no hook or param class of it stays on the module."""
-    for keep in (False, True):
+    buffers go too and no hook, sink or param class of it stays on the module."""
+
+    def build():
         net = make_net()
         model, opt = aligndp.parallelize(
             net, sharding="zero1", mesh=mesh(2, 2), lr=1e-2, overlap_param_gather=True
         )
         loss_of(model, *batch(0, rank, ws, rows=ROWS)).backward()
         opt.step()  # leaves the gathers in flight
-        buffers = [weakref.ref(b) for b in model.flat_buffers]
-        params = [weakref.ref(p) for p in net.parameters()]
-        del model, opt
-        if not keep:
-            del net
-        gc.collect()
-        assert not any(r() is not None for r in buffers), f"keep={keep}: buffers outlive it"
-        if not keep:
-            assert not any(r() is not None for r in params), "params outlive their wrapper"
-            continue
-        left = [n for n, p in net.named_parameters() if type(p) is not torch.nn.Parameter]
-        left += [n for n, p in net.named_parameters() if p._post_accumulate_grad_hooks]
-        left += [n for n, m in net.named_modules() if m._forward_pre_hooks]
-        assert not left, f"the dropped wrapper left hooks or classes on {left}"
+        return net, model, opt
+
+    for keep in (False, True):
+        dropped(build, keep, "2 x 2 mesh")
 
 
 @case(4)

@@ -42,6 +42,7 @@ from tests._habits_models import (
     assert_replicas_identical,
     backward_on,
     batch,
+    dropped,
     loss_of,
     make_net,
     micro_batches,
@@ -102,34 +103,21 @@ def case_dropping_the_wrapper_frees_it_as_torch_ddp(rank, ws):
     assert not any(r() is not None for r in torch_params), "torch DDP reference did not free"
     for mode, extra, fp8 in variants:
         what = f"{mode} {extra} fp8={fp8} ws {ws}"
-        for keep in (False, True):
+        kw = {"wgrad": "fp8-tensor", **extra} if fp8 else extra
+
+        def build(fp8=fp8, mode=mode, kw=kw):
             net = _fp8_mlp() if fp8 else make_net()
-            kw = {"wgrad": "fp8-tensor"} if fp8 else {}
-            model, opt = wrap(net, mode, **extra, **kw)
+            model, opt = wrap(net, mode, **kw)
             _train_once(model, opt, rank, ws, fp8)
-            buffers = [weakref.ref(b) for b in model.flat_buffers]
-            params = [weakref.ref(p) for p in net.parameters()]
-            del model, opt
-            if not keep:
-                del net
-            gc.collect()
-            assert not any(r() is not None for r in buffers), f"{what} keep={keep}: buffers"
-            if not keep:
-                assert not any(r() is not None for r in params), f"{what}: params outlive it"
-                continue
-            left = [
-                n
-                for n, m in net.named_modules()
-                if m._forward_pre_hooks or m._state_dict_pre_hooks or m.__dict__.get("_grad_sink")
-            ]
-            left += [n for n, p in net.named_parameters() if p._post_accumulate_grad_hooks]
-            left += [n for n, p in net.named_parameters() if type(p) is not nn.Parameter]
-            assert not left, f"{what}: the wrapper left hooks, sinks or classes on {left}"
-            twin = copy.deepcopy(net)
-            for m in (net, twin):
-                _train_once(m, None, rank, ws, fp8)
-            for (n, p), q in zip(net.named_parameters(), twin.parameters()):
-                assert torch.equal(p.grad, q.grad), f"{what}: {n}.grad differs from plain torch"
+            return net, model, opt
+
+        dropped(build, False, what)  # with its module
+        net = dropped(build, True, what)  # the module kept: it trains on in plain torch
+        twin = copy.deepcopy(net)
+        for m in (net, twin):
+            _train_once(m, None, rank, ws, fp8)
+        for (n, p), q in zip(net.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), f"{what}: {n}.grad differs from plain torch"
 
 
 # ---- p.grad after backward(): clipping, logging, GradScaler ----
