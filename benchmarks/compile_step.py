@@ -14,6 +14,8 @@ AdamW, fused on CUDA) and stepped in interleaved rounds, so drift of the machine
 - ``torch``: no wrapper, the limit (on each rank: no communication);
 - ``torch_ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)``;
 - ``aligndp_none`` / ``aligndp_zero1``: ``aligndp.parallelize(optimizer="adamw", sharding=...)``;
+- ``aligndp_bf16``: aligndp none with every unshared Linear converted to the ``bf16`` wgrad
+  recipe (the wgrad GEMM writes float32 into the grad buffer: [Note: fused bf16 wgrad]);
 - ``aligndp_none_blocks``: aligndp none with each block compiled (torchtitan style), compiled
   rows only.
 
@@ -41,9 +43,17 @@ from run_all_table import Goal, Row
 from torch.profiler import ProfilerActivity, profile
 
 import aligndp
+from aligndp.lowp import convert_to_mxfp8
 from aligndp.models.gpt import GPT, PRESETS
 
-VARIANTS = ("torch", "torch_ddp", "aligndp_none", "aligndp_zero1", "aligndp_none_blocks")
+VARIANTS = (
+    "torch",
+    "torch_ddp",
+    "aligndp_none",
+    "aligndp_zero1",
+    "aligndp_bf16",
+    "aligndp_none_blocks",
+)
 
 
 def init(device_name: str) -> torch.device:
@@ -73,7 +83,12 @@ def build(variant: str, preset: str, device: torch.device):
         ddp = nn.parallel.DistributedDataParallel(gpt, gradient_as_bucket_view=True)
         return ddp, torch.optim.AdamW(gpt.parameters(), lr=1e-4, fused=fused), gpt
     sharding = "zero1" if variant == "aligndp_zero1" else "none"
-    model, opt = aligndp.parallelize(gpt, optimizer="adamw", lr=1e-4, sharding=sharding)
+    wgrad = "bf16" if variant == "aligndp_bf16" else None
+    if wgrad:
+        convert_to_mxfp8(gpt, backend=wgrad)
+    model, opt = aligndp.parallelize(
+        gpt, optimizer="adamw", lr=1e-4, sharding=sharding, wgrad=wgrad
+    )
     return model, opt, gpt
 
 

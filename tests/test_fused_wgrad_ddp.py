@@ -40,9 +40,11 @@ MICRO = 32
 STEPS = 3  # step 0 learns readiness; steps 1 and 2 launch every bucket during backward
 
 
-def make_mx_model() -> nn.Module:
+def make_mx_model(backend: str = "reference") -> nn.Module:
     model = convert_to_mxfp8(
-        seeded(MixMLP, DIM, HIDDEN, CLASSES), filter=lambda name, m: name in ("fc1", "fc2", "mix")
+        seeded(MixMLP, DIM, HIDDEN, CLASSES),
+        filter=lambda name, m: name in ("fc1", "fc2", "mix"),
+        backend=backend,
     )
     assert all(isinstance(m, MXLinear) for m in (model.fc1, model.fc2, model.mix))
     assert not isinstance(model.head, MXLinear)
@@ -62,15 +64,20 @@ def token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return F.cross_entropy(model(x), y, reduction="sum") / TOKENS
 
 
-def one_process_grads(step: int, ws: int) -> dict[str, torch.Tensor]:
+def one_process_grads(step: int, ws: int, backend: str) -> dict[str, torch.Tensor]:
     """The global batch's mean-loss gradients, unfused, in this one process."""
-    model = make_mx_model()
+    model = make_mx_model(backend)
     token_loss(model, *global_batch(step, ws)).backward()
     return {n: p.grad / ws for n, p in model.named_parameters()}
 
 
 def check_against_one_process(
-    mode: Mode, *, rank: int, ws: int, grad_dtype: torch.dtype | None = None
+    mode: Mode,
+    *,
+    rank: int,
+    ws: int,
+    grad_dtype: torch.dtype | None = None,
+    backend: str = "reference",
 ) -> None:
     # buckets in backward order: [head.bias, head.weight], [mix.weight], [fc2.weight], [fc1.bias,
     # fc1.weight]. fc2.weight and mix.weight, alone and bias-free, are ready only through the fused
@@ -82,11 +89,11 @@ def check_against_one_process(
         n: mode
         if mode is not Mode.LAYERWISE or n in ("fc1.weight", "fc2.weight", "mix.weight")
         else Mode.SHARDED
-        for n, _ in make_mx_model().named_parameters()
+        for n, _ in make_mx_model(backend).named_parameters()
     }
     # start_alignment=1: only the MX layers' declared requirement can give 64-element starts
     model = DataParallel(
-        make_mx_model(),
+        make_mx_model(backend),
         config=DDPConfig(bucket_numel=500, overlap=True, start_alignment=1, grad_dtype=grad_dtype),
         modes=modes,
     )
@@ -112,7 +119,7 @@ def check_against_one_process(
         assert ["fc2.weight"] in buckets and ["mix.weight"] in buckets and num_buckets == 4, buckets
     for buf in model.flat_buffers:
         for slot, view in zip(buf.slots, buf.main_grads):
-            if slot.name in ("fc1.weight", "fc2.weight", "mix.weight"):
+            if backend == "reference" and slot.name in ("fc1.weight", "fc2.weight", "mix.weight"):
                 assert view.data_ptr() % (64 * view.element_size()) == 0, (
                     "MXFP8 wgrad needs 64-element starts"
                 )
@@ -131,7 +138,7 @@ def check_against_one_process(
                 f"step {step}: {launched_in_backward} of {num_buckets} buckets launched during "
                 "backward"
             )
-        ref = one_process_grads(step, ws)
+        ref = one_process_grads(step, ws, backend)
         for buf in model.flat_buffers:
             expected = torch.zeros_like(buf.grad_data)  # ref's fp32 values in the buffer dtype
             for slot in buf.slots:
@@ -210,6 +217,18 @@ def case_fused_sharded_matches_one_process(rank, ws):
 @case(2, 3)
 def case_fused_layerwise_matches_one_process(rank, ws):
     check_against_one_process(Mode.LAYERWISE, rank=rank, ws=ws)
+
+
+@case(2)
+def case_fused_bf16_recipe_matches_one_process(rank, ws):
+    """The ``bf16`` recipe ([Note: fused bf16 wgrad]): its wgrad GEMM writes, then adds, into
+    main_grad, replicated and sharded, bf16 buffers too; float32 here (no autocast), so only
+    the summation order differs from one process."""
+    for mode in (Mode.REPLICATED, Mode.SHARDED):
+        check_against_one_process(mode, rank=rank, ws=ws, backend="bf16")
+    check_against_one_process(
+        Mode.REPLICATED, rank=rank, ws=ws, backend="bf16", grad_dtype=torch.bfloat16
+    )
 
 
 make_tests(globals())

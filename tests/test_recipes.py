@@ -156,13 +156,15 @@ def test_layout_cli_lists_and_accepts_it(fake, capsys):
 
 
 def test_unknown_names_list_the_registered_recipes(group, fake):
-    message = r"unknown wgrad recipe 'nvfp4': choose one of none, fp8, mxfp8, fp8-tensor, test-fake"
+    message = (
+        r"unknown wgrad recipe 'nvfp4': choose one of none, fp8, mxfp8, fp8-tensor, bf16, test-fake"
+    )
     with pytest.raises(ValueError, match=message):
         aligndp.parallelize(small_model(), wgrad="nvfp4")
     with pytest.raises(ValueError, match=message):
         get_recipe("nvfp4")
     with pytest.raises(
-        ValueError, match="choose one of fp8, reference, triton, fp8-tensor, fake-reference"
+        ValueError, match="choose one of fp8, reference, triton, fp8-tensor, bf16, fake-reference"
     ):
         get_backend("nvfp4-reference")
 
@@ -171,7 +173,7 @@ def test_unregistered_recipe_is_gone(group):
     with registered_recipe(fake_recipe()):
         assert recipe_names()[-1] == "test-fake"
         assert get_backend("fake-reference").recipe.name == "test-fake"
-    assert recipe_names() == ("none", "fp8", "mxfp8", "fp8-tensor")
+    assert recipe_names() == ("none", "fp8", "mxfp8", "fp8-tensor", "bf16")
     with pytest.raises(ValueError, match="unknown wgrad recipe 'test-fake'"):
         aligndp.parallelize(small_model(), wgrad="test-fake")
     with pytest.raises(ValueError, match="unknown MX backend 'fake-reference'"):
@@ -184,8 +186,19 @@ def test_registry_refuses_clashes_and_incomplete_recipes(fake):
     with pytest.raises(ValueError, match="fake-reference are taken"):
         register_recipe(fake_recipe(name="test-other"))
     assert "test-other" not in recipe_names()
-    with pytest.raises(ValueError, match="needs block > 0"):
+    with pytest.raises(ValueError, match="needs layer_dim_multiple > 0"):
         Recipe(name="half", runs="x", backends=fake.backends)
+    with pytest.raises(ValueError, match="either a block > 0 with a scale_format"):
+        Recipe(name="half", runs="x", backends=fake.backends, layer_dim_multiple=32, block=32)
+    with pytest.raises(ValueError, match="either a block > 0 with a scale_format"):
+        Recipe(
+            name="half",
+            runs="x",
+            backends=fake.backends,
+            layer_dim_multiple=32,
+            scale_format=ScaleFormat.E8M0,
+        )
+    assert Recipe(name="half", runs="x", backends=fake.backends, layer_dim_multiple=1).block == 0
     with pytest.raises(TypeError, match="Recipe"):
         register_recipe("test-fake")
     with pytest.raises(ValueError, match="implements"):  # E8M0-only reference vs fp32 scales

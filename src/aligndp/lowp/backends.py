@@ -151,8 +151,9 @@ class WgradBackend(abc.ABC):
                 "aligndp.lowp.get_backend(name) or pass aligndp.lowp.get_recipe(name)"
             )
         if recipe.scale_format not in self.scale_formats:
+            formats = [getattr(f, "value", f) for f in self.scale_formats]
             raise ValueError(
-                f"backend {type(self).__name__} implements {[f.value for f in self.scale_formats]} "
+                f"backend {type(self).__name__} implements {formats} "
                 f"scales, but recipe {recipe.name!r} uses {recipe.scale_format}; pick one of "
                 f"that recipe's backends: {[b.name for b in recipe.backends]}"
             )

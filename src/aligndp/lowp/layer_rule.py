@@ -31,6 +31,16 @@ recipe declares a :class:`GainRule`:
   skip out <= 2048, in <= 1024, or in <= 2048 and out <= 4096), unmeasured: Hopper has no
   MXFP8 fast path. The measured token count is 8192; fewer tokens per step gain less.
 
+The ``bf16`` recipe quantises nothing ([Note: fused bf16 wgrad] in recipe_bf16.py); what it
+saves per layer is two memory passes over the weight gradient, what it costs is a Python
+autograd.Function per layer, and under ``torch.compile`` the fused-wgrad custom op's dispatch
+(about 0.1 ms of host per layer and step in torch's ``custom_op`` wrapper, measured on H200).
+So it gains where the GEMMs are large: in the 1b step (every Linear ``in, out >= 2048``, head
+included) eager 0.990 of plain torch where the unconverted wrapper is 1.020; at gpt2-small
+(768 wide) it loses, eager 1.023 against 1.008 and compiled host-bound (27 ms against 21).
+``FUSED_BF16_SKIP`` keeps the same box as per-tensor FP8; it needs a CUDA GPU (sm_80+: a
+CPU has no GEMM with a float32 output of bf16 operands, so the operands are widened first).
+
 ``convert_to_mxfp8(layers="pays")`` (the default; ``aligndp train --wgrad-layers pays``)
 applies the rule; ``layers="all"`` converts every layer the recipe can run (dims multiples of
 its block, not the head, no shared weight), e.g. to test a recipe's numerics on CPU; a
@@ -53,6 +63,7 @@ __all__ = [
     "BLOCKWISE_SKIP",
     "FP8_BLOCK_SKIP",
     "FP8_TENSOR_SKIP",
+    "FUSED_BF16_SKIP",
     "capability_of",
     "slow_reason",
     "describe_plan",
@@ -63,6 +74,9 @@ BLOCKWISE_SKIP = ((math.inf, 2048), (1024, math.inf), (2048, 4096))
 ``out <= 4096``."""
 FP8_TENSOR_SKIP = ((2047, math.inf), (math.inf, 2047))
 """Per-tensor FP8, measured on H200 in the 1b step: gains where ``in, out >= 2048``."""
+FUSED_BF16_SKIP = ((2047, math.inf), (math.inf, 2047))
+"""The ``bf16`` recipe (no quantisation, the wgrad into main_grad), measured on H200: gains in
+the 1b step (every Linear ``in, out >= 2048``), loses at gpt2-small's 768 wide ones."""
 FP8_BLOCK_SKIP = BLOCKWISE_SKIP + ((8192, 8192),)
 """1x128 FP8, measured on H200: no gain up to ``in, out <= 8192``; torchao's rowwise beyond."""
 

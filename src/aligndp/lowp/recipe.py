@@ -80,7 +80,8 @@ class Recipe:
     requirements: tuple[Requirement, ...] = ()
     """What its fused wgrad GEMM needs of every param start in the grad buffers."""
     block: int = 0
-    """Elements per quantisation block along a GEMM's contraction dim (0: no quantisation)."""
+    """Elements per quantisation block along a GEMM's contraction dim (0: no quantisation,
+    as ``bf16``'s, which only fuses the wgrad)."""
     scale_format: ScaleFormat | enum.Enum | None = None
     """How a block's scale is stored (None: no quantisation). Backends refuse a format they do
     not implement; a recipe whose scales the built-in kernels do not know may use its own
@@ -90,6 +91,9 @@ class Recipe:
     (0: it converts no layer)."""
     backends: tuple[BackendRef, ...] = ()
     """GEMM backends that run it, in order of preference."""
+    spares_head: bool = True
+    """Keep the model's last ``nn.Linear`` (the output head, whose logits are the most
+    precision-sensitive GEMM) unconverted; False for a recipe that lowers no precision."""
     gain: GainRule | None = None
     """Where its GEMMs beat bf16 ([Note: layers that pay] in layer_rule.py): what
     ``convert_to_mxfp8(layers="pays")`` converts. None: every layer it can run."""
@@ -105,13 +109,16 @@ class Recipe:
         names = [b.name for b in self.backends]
         if len(set(names)) != len(names):
             raise ValueError(f"recipe {self.name!r} names a backend twice: {names}")
+        quantises = self.block > 0 or self.scale_format is not None
         if self.backends and not (
-            self.block > 0 and self.scale_format is not None and self.layer_dim_multiple > 0
+            self.layer_dim_multiple > 0
+            and (not quantises or (self.block > 0 and self.scale_format is not None))
         ):
             raise ValueError(
-                f"recipe {self.name!r} has backends, so it needs block > 0, a scale_format and "
-                f"layer_dim_multiple > 0; got block={self.block}, "
-                f"scale_format={self.scale_format}, layer_dim_multiple={self.layer_dim_multiple}"
+                f"recipe {self.name!r} has backends, so it needs layer_dim_multiple > 0 and "
+                "either a block > 0 with a scale_format (it quantises) or neither; got "
+                f"block={self.block}, scale_format={self.scale_format}, "
+                f"layer_dim_multiple={self.layer_dim_multiple}"
             )
 
     def backend(self, name: str) -> BackendRef | None:
@@ -132,8 +139,9 @@ class Recipe:
     ) -> bool:
         """Whether this recipe converts ``module`` (called ``name``): not unless both of its
         dims are multiples of :attr:`layer_dim_multiple`; not the model's last ``nn.Linear``
-        in registration order (the output head, whose logits are the most precision-sensitive
-        GEMM; torchao and TE recipes keep it high precision too); not a layer whose weight
+        in registration order unless :attr:`spares_head` is False (the output head, whose
+        logits are the most precision-sensitive GEMM; torchao and TE recipes keep it high
+        precision too); not a layer whose weight
         another module shares (tied embeddings: the fused wgrad would bypass the other user's
         autograd path)."""
         if not self.layer_dim_multiple:
@@ -142,7 +150,8 @@ class Recipe:
             module.in_features % self.layer_dim_multiple
             or module.out_features % self.layer_dim_multiple
         )
-        return dims_ok and name != last_linear and name not in shared
+        head = self.spares_head and name == last_linear
+        return dims_ok and not head and name not in shared
 
     def why_not(
         self,
@@ -162,7 +171,7 @@ class Recipe:
         if not self.converts(name, module, last_linear=last_linear, shared=shared):
             if not self.layer_dim_multiple:
                 return "recipe converts no layer"
-            if name == last_linear:
+            if self.spares_head and name == last_linear:
                 return "the model's last Linear (output head)"
             if name in shared:
                 return "its weight is shared with another module"

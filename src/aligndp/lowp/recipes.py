@@ -20,6 +20,7 @@ import torch
 
 from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.recipe import BackendRef, Recipe
+from aligndp.lowp.recipe_bf16 import RECIPE as BF16
 from aligndp.lowp.recipe_fp8 import RECIPE as FP8
 from aligndp.lowp.recipe_fp8_tensor import RECIPE as FP8_TENSOR
 from aligndp.lowp.recipe_mxfp8 import RECIPE as MXFP8
@@ -39,7 +40,7 @@ __all__ = [
     "wgrad_requirements",
 ]
 
-BUILTIN_RECIPES = (NONE, FP8, MXFP8, FP8_TENSOR)
+BUILTIN_RECIPES = (NONE, FP8, MXFP8, FP8_TENSOR, BF16)
 """The recipes registered at import, in this order (the CLI's choices)."""
 
 _REGISTRY: dict[str, Recipe] = {}
