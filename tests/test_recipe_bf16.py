@@ -158,3 +158,32 @@ def test_refuses_a_misaligned_view_naming_the_rule():
     parts = (torch.randn(5, 40), torch.randn(5, 24))
     with pytest.raises(ValueError, match="fused bf16 wgrad"):
         backend.wgrad_from_parts(parts, GradTarget(view, False), (40, 24))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-tensor"])
+def test_a_fused_weight_arrives_once_so_zero_grad_zeroes_nothing(recipe):
+    """[Note: gradient as bucket view] in ddp.py: a fused layer's weight is never armed, so the
+    post-accumulate hook torch runs for it (with no gradient) does not count it a second time.
+    Every param then arrives once per step, every bucket defers its copy, and from the second
+    step on ``zero_grad`` writes no byte of the buffer ([Note: deferring buckets are not
+    zeroed]); the gradients still equal the unwrapped net's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32), nn.Linear(32, 16))
+    unwrapped = convert_to_mxfp8(copy.deepcopy(net), backend=recipe, layers="all")
+    convert_to_mxfp8(net, backend=recipe, layers="all")
+    model, opt = aligndp.parallelize(net, optimizer="sgd", lr=0.0, wgrad=recipe)
+    x = torch.randn(3, 16, 32)
+    for step in range(3):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            opt.zero_grad()
+        zeroed = [e.name for e in prof.events() if e.name in ("aten::zero_", "aten::fill_")]
+        assert step == 0 or not zeroed, f"step {step}: zero_grad ran {zeroed}"
+        model(x[step]).square().mean().backward()
+        unwrapped.zero_grad()
+        unwrapped(x[step]).square().mean().backward()
+        for (name, p), q in zip(net.named_parameters(), unwrapped.parameters()):
+            assert (p.main_grad - q.grad).abs().max() <= 1e-6 * q.grad.abs().max(), name
+    assert all(g.defer for g in model.reducer.groups)
+    model.remove_hooks()

@@ -280,7 +280,7 @@ class MXLinear(nn.Linear):
             # (the weight is quantised from its own dtype, so it needs no cast)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         weight_q = None
-        if self.cache_weight and not compiling():
+        if self.cache_weight and self.backend.caches_weight and not compiling():
             weight_q = self.quantised_weight()
         return _MXLinearFunction.apply(
             x, self.weight, self.bias, self.backend, self._grad_sink, weight_q

@@ -40,7 +40,9 @@ torch DDP's ``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the
 itself, and the post-accumulate hook only counts (identity check, its group's countdown: no
 copy, no Python work per element). The hook copies only off this path: a param whose grad
 dtype differs, a backward whose forward bypassed the wrapper, ``create_graph=True`` (autograd
-replaces ``param.grad``).
+replaces ``param.grad``). A fused-wgrad layer's weight is never armed: the layer returns no
+autograd gradient, yet torch runs the weight's post-accumulate hook with ``param.grad`` as it
+is; were that the view, the weight would arrive twice, and its bucket would never defer.
 Zeroing whole buffers at ``zero_grad`` writes every element once; the copy it replaces read
 and wrote them, and issued one kernel and one Python hook body per param. A param without a
 gradient in the step shows ``param.grad`` None again after the reduction, as in torch.
@@ -230,7 +232,7 @@ class DataParallel(nn.Module):
             rank=self.world_rank,
             device=self.device,
             eager_zero=claim_params(self, self.params),
-            fused=bool(fused),
+            fused={m.weight for _, m in fused},
         )
         self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""

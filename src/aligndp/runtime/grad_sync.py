@@ -2,9 +2,8 @@
 (the end-of-backward reduction and agreement: reduction.py, its other half).
 
 See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step states].
-``DataParallel`` composes one :class:`GradReducer` (``model.reducer``) over its
-:class:`~aligndp.runtime.step_state.ParamIndex` and its
-:class:`~aligndp.runtime.bucket_group.BucketGroup` s, and forwards its public methods.
+``DataParallel`` composes one :class:`GradReducer` (``model.reducer``) over its ``ParamIndex``
+(step_state.py) and its ``BucketGroup`` s (bucket_group.py), and forwards its public methods.
 
 ``state`` changes in these named transitions only ([Note: step states]):
 
@@ -21,15 +20,15 @@ reducer (weakly: [Note: dropped wrappers] in wrapped_param.py). On the direct pa
 ([Note: gradient as bucket view] in ddp.py: ACCUMULATING and ``param.grad`` is the view)
 the hook only marks the param written and counts its group down; every other case goes
 through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
-kernel's ``mark_ready`` runs the same ``arrive`` closure. Deferring, collecting and what
-``zero_grad`` zeroes: grad_landing.py.
+kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never armed
+([Note: gradient as bucket view]). Deferring, collecting, zeroing: grad_landing.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -64,11 +63,11 @@ class GradReducer(Reduction):
         rank: int,
         device: torch.device,
         eager_zero: set[nn.Parameter],
-        fused: bool = False,
+        fused: Collection[nn.Parameter] = (),
     ) -> None:
         """``params`` in registration order; ``config``: the model's ``DDPConfig``; ``rank``: among
         all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``;
-        ``fused``: the model has fused-wgrad layers (they write their views themselves)."""
+        ``fused``: the weights of fused-wgrad layers (they write their views themselves)."""
         self.index, self.groups, self.config = index, list(groups), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
@@ -88,7 +87,8 @@ class GradReducer(Reduction):
         ]
         direct = {id(p) for b in self._direct_buffers for p in b.params}
         self._direct = [id(p) in direct for p in self.params]
-        self._armed = [False] * n  # param.grad is its view, set by us
+        self._armed = [False] * n  # param.grad is its view, set by us; never a fused weight's:
+        self._armable = [d and p not in fused for d, p in zip(self._direct, self.params)]
         self._stale = [not z for z in self._eager_zero]  # [Note: lazy zeroing]
         self._used = [False] * n  # had a gradient on this rank since the reduction
         self._published: set[int] = set()  # param.grad set by us ([Note: step states])
@@ -119,7 +119,7 @@ class GradReducer(Reduction):
         self.nonfinite: str | None = None
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
-        self.landing = Landing(self, fused=fused)  # grad_landing.py
+        self.landing = Landing(self, fused=bool(fused))  # grad_landing.py
         bound = [self._bind(k) for k in range(n)]
         self.hooks = [hook for hook, _ in bound]
         """Each param's post-accumulate-grad hook, in registration order; the model registers
@@ -224,7 +224,7 @@ class GradReducer(Reduction):
             return
         armed, views, groups = self._armed, self._views, self._group_of
         for k, p in enumerate(self.params):
-            if self._direct[k] and p.grad is None and not groups[k].defer:
+            if self._armable[k] and p.grad is None and not groups[k].defer:
                 p.grad = views[k]
                 armed[k] = True
 
