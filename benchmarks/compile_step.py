@@ -84,8 +84,8 @@ def build(variant: str, preset: str, device: torch.device):
         return ddp, torch.optim.AdamW(gpt.parameters(), lr=1e-4, fused=fused), gpt
     sharding = "zero1" if variant == "aligndp_zero1" else "none"
     wgrad = "bf16" if variant == "aligndp_bf16" else None
-    if wgrad:
-        convert_to_mxfp8(gpt, backend=wgrad)
+    if wgrad:  # the layer rule; on a CPU (the smoke run) it converts none, so every layer
+        convert_to_mxfp8(gpt, backend=wgrad, layers="pays" if fused else "all")
     model, opt = aligndp.parallelize(
         gpt, optimizer="adamw", lr=1e-4, sharding=sharding, wgrad=wgrad
     )

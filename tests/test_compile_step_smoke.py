@@ -36,7 +36,7 @@ def test_smoke_run_prints_every_variant_beside_its_peers():
     got = {(r["variant"], r["mode"]) for r in rows}
     expected = {
         (v, m)
-        for v in ("torch", "torch_ddp", "aligndp_none", "aligndp_zero1")
+        for v in ("torch", "torch_ddp", "aligndp_none", "aligndp_zero1", "aligndp_bf16")
         for m in ("eager", "compiled")
     } | {("aligndp_none_blocks", "compiled")}
     assert got == expected, got ^ expected
