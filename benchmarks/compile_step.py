@@ -14,8 +14,9 @@ AdamW, fused on CUDA) and stepped in interleaved rounds, so drift of the machine
 - ``torch``: no wrapper, the limit (on each rank: no communication);
 - ``torch_ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)``;
 - ``aligndp_none`` / ``aligndp_zero1``: ``aligndp.parallelize(optimizer="adamw", sharding=...)``;
-- ``aligndp_bf16``: aligndp none with every unshared Linear converted to the ``bf16`` wgrad
-  recipe (the wgrad GEMM writes float32 into the grad buffer: [Note: fused bf16 wgrad]);
+- ``aligndp_bf16``: aligndp none with the Linears the layer rule picks (every unshared one in
+  the CPU smoke run) converted to the ``bf16`` wgrad recipe (the wgrad GEMM writes float32 into
+  the grad buffer: [Note: fused bf16 wgrad]);
 - ``aligndp_none_blocks``: aligndp none with each block compiled (torchtitan style), compiled
   rows only.
 

@@ -22,6 +22,7 @@ from aligndp.lowp import MXLinear, convert_to_mxfp8
 from aligndp.lowp.linear import conversion_plan
 from aligndp.lowp.recipe_bf16 import gemm_into
 from aligndp.models.gpt import GPT, PRESETS, GPTConfig
+from aligndp.runtime.buffer import aligned_empty
 from tests.models import order_tolerance
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
@@ -150,11 +151,8 @@ def test_refuses_a_misaligned_view_naming_the_rule():
     from aligndp.plan.fused import GradTarget
 
     backend = get_backend("bf16")
-    flat = torch.zeros(40 * 24 + 1)
-    start = 1 if flat.data_ptr() % 16 == 0 else 0  # 4 bytes off
-    if (flat.data_ptr() + 4 * start) % 16 == 0:
-        start += 1
-    view = flat[start : start + 40 * 24].view(40, 24)
+    flat = aligned_empty(40 * 24 + 1, dtype=torch.float32, device="cpu", align_bytes=16)
+    view = flat[1:].view(40, 24)  # 4 bytes past a 16-byte boundary
     parts = (torch.randn(5, 40), torch.randn(5, 24))
     with pytest.raises(ValueError, match="fused bf16 wgrad"):
         backend.wgrad_from_parts(parts, GradTarget(view, False), (40, 24))

@@ -71,13 +71,6 @@ def gemm_into(view: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulat
         view.copy_(a @ b)
 
 
-def _wgrad_fp32(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad_out.T @ x`` in float32, for a weight without a view."""
-    out = torch.empty(grad_out.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-    gemm_into(out, grad_out.t(), x, accumulate=False)
-    return out
-
-
 class FusedBackend(WgradBackend):
     """Unquantised GEMMs in the input's dtype, the wgrad into ``main_grad`` in one GEMM
     ([Note: fused bf16 wgrad])."""
@@ -92,7 +85,9 @@ class FusedBackend(WgradBackend):
         return grad_out @ weight.to(grad_out.dtype)
 
     def wgrad(self, grad_out, x):
-        return _wgrad_fp32(grad_out, x)
+        out = torch.empty(grad_out.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+        gemm_into(out, grad_out.t(), x, accumulate=False)
+        return out
 
     def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         w = weight.to(x.dtype)  # autocast's cast; saved for dgrad as autocast's mm saves it
@@ -104,13 +99,9 @@ class FusedBackend(WgradBackend):
         grad_x = grad_out @ w if need_dgrad else None
         return grad_x, ((grad_out, x) if need_wgrad else None)
 
-    def wgrad_from_parts(self, parts, target, shape):
-        grad_out, x = parts
-        if target is None:
-            return _wgrad_fp32(grad_out, x)
-        self.check_main_grad(target.view, shape=shape, device=x.device)
+    def wgrad_into(self, grad_out, x, target):
+        self.check(target.view, grad_out, x)
         gemm_into(target.view, grad_out.t(), x, accumulate=target.accumulate)
-        return None
 
 
 RECIPE = Recipe(
