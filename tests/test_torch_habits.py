@@ -58,9 +58,17 @@ from tests._habits_models import (
 
 def grads_are_main_grad_views(model) -> None:
     """[Note: step states]: after a synced backward a replicated param's ``p.grad`` IS its reduced
-    view."""
-    for n, p in model.module.named_parameters():
-        assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), (
+    view; one rank alone keeps autograd's own tensor until ``p.main_grad`` is read, which then
+    holds its values and becomes ``p.grad`` ([Note: one rank steps autograd's gradients])."""
+    named = list(model.module.named_parameters())
+    adopted = [p.grad for _, p in named] if model.reducer.landing.adopting else None
+    for i, (n, p) in enumerate(named):
+        assert p.grad is not None, f"{n}: no p.grad after backward() returned"
+        if adopted is not None:  # the first read of main_grad fills every view
+            view = model.index.slots[p].view
+            assert adopted[i].data_ptr() != view.data_ptr(), f"{n}: adopted, yet copied"
+            assert torch.equal(p.main_grad, adopted[i]), f"{n}: main_grad lost the values"
+        assert p.grad.data_ptr() == p.main_grad.data_ptr(), (
             f"{n}: p.grad must be the reduced main_grad view after backward() returns"
         )
 
@@ -172,7 +180,86 @@ def case_one_rank_collects_gradients_at_the_end_as_torch(rank, ws):
                 step_both(model, opt, ref, f"{what} step 3 (retain_graph)")
 
 
-@case(2, 3)
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copy ops that run (``copy_``, ``_foreach_copy_``) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten._foreach_copy_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@case(1)
+def case_one_rank_steps_autograds_gradients_with_no_copy(rank, ws):
+    """[Note: one rank steps autograd's gradients] (grad_landing.py): one rank alone with
+    ``sharding="none"`` steps the tensors autograd made, as plain torch does: no copy runs in
+    backward or step, ``p.grad`` lies outside the buffer, and the params are bit for bit those
+    of the same model made to copy (``adopting`` off). Reads pay the owed copy first:
+    ``ReducedGrads.view``, ``p.main_grad`` (a ``p.grad`` the user replaced stays theirs, the
+    view holds the reduced value), a second backward before ``zero_grad``; ``zero_grad`` frees
+    autograd's tensors. A param of the user's own ``Parameter`` class is copied as before."""
+    for optimizer in ("sgd", "adamw"):
+        model, opt = wrap(make_net(), "none", optimizer=optimizer)
+        twin, twin_opt = wrap(make_net(), "none", optimizer=optimizer)
+        assert model.reducer.landing.adopting, "one rank, sharding none: adopting"
+        twin.reducer.landing.adopting = False  # the copying path, the reference
+        params = list(model.module.parameters())
+        buffers = [
+            (b.grad_data.data_ptr(), b.grad_data.untyped_storage().nbytes())
+            for b in model.flat_buffers
+        ]
+
+        def outside(t, buffers=buffers):
+            return all(not (lo <= t.data_ptr() < lo + n) for lo, n in buffers)
+
+        for step in range(4):
+            what = f"{optimizer} step {step}"
+            with _Copies() as copies:
+                backward_on(model, step, rank, ws)
+                autograds = [p.grad for p in params]
+                assert all(outside(g) for g in autograds), f"{what}: a gradient was copied"
+                if step == 1:  # a view read fills every view, once
+                    grads = model.finish_grad_sync()
+                    assert copies.count == 0, what
+                    assert all(torch.equal(grads.view(p), g) for p, g in zip(params, autograds))
+                    assert copies.count == 1, f"{what}: one multi-tensor copy"
+                    assert all(p.grad is model.index.slots[p].view for p in params), what
+                if step == 2:  # the user's own p.grad stays; main_grad has the reduced value
+                    p0 = params[0]
+                    mine = p0.grad = autograds[0] * 2
+                    assert torch.equal(p0.main_grad, autograds[0]) and p0.grad is mine, what
+                if step == 3:  # a second backward adds, as in torch
+                    backward_on(model, step + 1, rank, ws)
+                opt.step()
+            if step == 0:
+                assert copies.count == 0, f"{what}: {copies.count} copies ran"
+            backward_on(twin, step, rank, ws)
+            if step == 2:
+                twin_p0 = next(twin.module.parameters())
+                twin_p0.grad = twin_p0.grad * 2
+            if step == 3:
+                backward_on(twin, step + 1, rank, ws)
+            twin_opt.step()
+            for (n, p), q in zip(model.module.named_parameters(), twin.module.parameters()):
+                assert torch.equal(p, q), f"{what}: {n} differs from the copying path"
+            freed = [weakref.ref(g) for g in autograds]
+            del autograds
+            opt.zero_grad()  # frees autograd's gradients, as torch's zero_grad does
+            assert not any(r() is not None for r in freed), f"{what}: zero_grad kept a gradient"
+            twin_opt.zero_grad()
+    # a param of the user's own Parameter class, whose main_grad is read without us, is copied
+    model, _ = wrap(net_with_tagged_mix(), "none")
+    backward_on(model, 0, rank, ws)
+    for n in ("weight", "bias"):
+        p = getattr(model.module.mix, n)
+        assert p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr(), n
+
+
+@case(1, 2, 3)
 def case_clip_grad_norm_on_model_parameters_matches_torch_ddp(rank, ws):
     """Row: ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` after ``backward()``.
     Was: returned 0.0 and clipped nothing (p.grad None, grads unreduced in main_grad).
@@ -193,7 +280,7 @@ def case_clip_grad_norm_on_model_parameters_matches_torch_ddp(rank, ws):
     assert min(norms) < clip < max(norms), f"the threshold must split the steps: norms {norms}"
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_reading_and_editing_p_grad_matches_torch_ddp(rank, ws):
     """Row: anything that reads ``p.grad`` between ``backward()`` and ``step()`` — logging
     gradient norms, custom clipping in place (``clip_grad_value_``). Was: p.grad None."""
@@ -210,7 +297,7 @@ def case_reading_and_editing_p_grad_matches_torch_ddp(rank, ws):
         step_both(model, opt, ref, f"step {step}")
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_grad_scaler_fp16_autocast_matches_torch_ddp(rank, ws):
     """Row: ``torch.amp.GradScaler`` with fp16 autocast: scale, backward, unscale_, clip,
     scaler.step, update. Was: ``AssertionError: No inf checks were recorded``."""
@@ -312,7 +399,7 @@ def case_grad_scaler_refused_in_sharded_modes(rank, ws):
 # ---- zero_grad and accumulation ----
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_model_zero_grad_is_opt_zero_grad(rank, ws):
     """Row: ``model.zero_grad()`` (the wrapper) or ``model.module.zero_grad()`` instead of
     ``opt.zero_grad()``. Was: gradients piled up across steps (0.47 relative off after 4)."""
@@ -334,7 +421,7 @@ def case_model_zero_grad_is_opt_zero_grad(rank, ws):
                     assert_params_match(model.module, ref.module, f"{mode} {how} step {step}", REL)
 
 
-@case(2)
+@case(1, 2)
 def case_torch_compile_after_parallelize_matches_torch_ddp(rank, ws):
     """Row: ``torch.compile(model)`` after ``parallelize`` (the whole model), or of each layer
     (torchtitan's per-block compile), in every mode: the same params as eager torch DDP at the
@@ -369,7 +456,7 @@ def case_torch_compile_after_parallelize_matches_torch_ddp(rank, ws):
     torch._dynamo.reset()
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_two_synced_backwards_without_zero_grad_accumulate_like_torch(rank, ws):
     """Row: skipping ``zero_grad()`` to accumulate over two synced backwards (no ``no_sync``):
     torch reduces each backward and sums the two averaged gradients; the sum so far is there
@@ -400,7 +487,7 @@ def case_two_synced_backwards_without_zero_grad_accumulate_like_torch(rank, ws):
                 step_both(model, opt, ref, f"{mode} step {step}")
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_backward_after_step_without_zero_grad_adds_to_old_grads(rank, ws):
     """What to build: accumulating without ``zero_grad`` follows torch in every mode, also
     across ``opt.step()``: step k sees the sum of the gradients of steps 0..k."""
@@ -424,7 +511,7 @@ def case_backward_after_step_without_zero_grad_adds_to_old_grads(rank, ws):
                     )
 
 
-@case(2, 3)
+@case(1, 2, 3)
 def case_main_grad_written_after_zero_grad_is_reduced(rank, ws):
     """Row: writing into ``param.main_grad`` after ``zero_grad()`` (Megatron / Transformer
     Engine convention: a kernel adds its wgrad there). Was: thrown away by lazy zeroing (the

@@ -37,15 +37,30 @@ steals each gradient into ``param.grad`` as in plain torch (and accumulates onto
 micro-batches); one tensor hook on the wrapped module's output queues the end-of-backward
 callback, which copies every ``param.grad`` into its view (one ``_foreach_copy_``; an add
 where the view already holds a gradient), makes ``param.grad`` the view and reduces as
-before. ``finish_grad_sync`` and ``param.main_grad`` collect first, so a backward that
-bypassed the wrapper's output is still seen at the step. What one backward publishes, which
-params count as used, the step states and the errors are those of the hooked path; the
-difference is the host cost: on one H200, compiled gpt2-small, the hooks were about 2 ms of
-host time per step, against one Python loop over the params at the end (the compiled step
-went from 1.085 to 0.994 of plain torch). The price is memory: every gradient autograd made
-lives until backward ends (the deferring path held about one bucket of them). Backward has
-freed most activations by then, so the step's peak moved little: gpt2-small eager peaked
-at 9.3 GiB against plain torch's 8.9, the difference being the buffer itself.
+before ([Note: one rank steps autograd's gradients] skips even that copy).
+``finish_grad_sync`` and ``param.main_grad`` collect first, so a backward that bypassed the
+wrapper's output is still seen at the step. What one backward publishes, which params count
+as used, the step states and the errors are those of the hooked path; the difference is the
+host cost: on one H200, compiled gpt2-small, the hooks were about 2 ms of host time per
+step, against one Python loop over the params at the end (the compiled step went from 1.085
+to 0.994 of plain torch). The price is memory: every gradient autograd made lives until
+backward ends (the deferring path held about one bucket of them). Backward has freed most
+activations by then, so the step's peak moved little: gpt2-small eager peaked at 9.3 GiB
+against plain torch's 8.9, the difference being the buffer itself.
+
+[Note: one rank steps autograd's gradients]
+Collecting with every buffer replicated (``sharding="none"``), nothing reads a view during
+the step: the replicated part steps from ``param.grad``. So the end of backward *adopts*
+each gradient autograd made instead of copying it (``Landing.adopting``): ``param.grad``
+stays autograd's own tensor, as in plain torch, the view is marked written but not filled,
+and the copy is owed. Anything that reads or adds into a view pays it first, all adopted
+gradients in one ``_foreach_copy_`` (:meth:`Landing.settle`): ``param.main_grad``,
+``ReducedGrads.view``/``owned``, a gradient reopening the reduced buffers; ``zero_grad``
+drops the debt. A ``param.grad`` the user replaced in the meantime is left as it is (the view
+takes the reduced value, as it held before). Params of their own ``Parameter`` class
+(``main_grad`` read without us) are copied as before. On one H200 the copy was the whole
+difference of aligndp's 1b eager step from plain torch's (2.05 ms of 104, a read and a write
+of every gradient). The step's results are those of the copying path, bit for bit.
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ import weakref
 
 import torch
 
+from aligndp.plan.spec import Mode
 from aligndp.runtime.step_state import StepState
 
 __all__ = ["Landing"]
@@ -75,6 +91,13 @@ class Landing:
         )
         """No per-param hooks: the gradients autograd left in ``param.grad`` are copied into
         the buffer once, at the end of backward."""
+        self.adopting = self.collecting and all(
+            b.layout.mode is Mode.REPLICATED for b in r.index.buffers
+        )
+        """[Note: one rank steps autograd's gradients]: the end of backward copies nothing."""
+        self.adopted: list[torch.Tensor | None] = [None] * len(r.params)
+        """Per param: autograd's gradient whose copy into the view is owed, else None."""
+        self._owed = False
         self.unzeroed = [False] * len(r.params)
         """A direct view ``zero_grad`` left as it was (read only while the param is stale)."""
         self._members = [[s.index for s in g.slots] for g in r.groups]
@@ -85,6 +108,9 @@ class Landing:
         """Zero the direct buffers where autograd will add into them: every bucket but those
         whose group defers or collects; a whole buffer, or each run of neighbouring buckets,
         in one op."""
+        if self._owed:  # nothing is owed to views zero_grad makes stale
+            self.adopted[:] = [None] * len(self.adopted)
+            self._owed = False
         keep: dict[int, set[int]] = {}  # id(buffer) -> buckets left as they are
         unzeroed = self.unzeroed
         unzeroed[:] = [False] * len(unzeroed)
@@ -124,12 +150,14 @@ class Landing:
                 t.register_hook(queue)
 
     @torch.no_grad()
-    def collect(self, r) -> None:
+    def collect(self, r, *, adopt: bool = False) -> None:
         """Bring every gradient autograd left in ``param.grad`` into its view — copied where
         the view is stale, added where it holds one already, each kind in one multi-tensor op
         — and make ``param.grad`` the view. Off that path (a sparse or reshaped gradient)
-        the hook's own ``_absorb``."""
+        the hook's own ``_absorb``. ``adopt``: a stale view's copy is owed instead
+        ([Note: one rank steps autograd's gradients]; only the end of backward adopts)."""
         views, stale, used, armed = r._views, r._stale, r._used, r._armed
+        adopted, eager_zero = self.adopted, r._eager_zero
         copy_to, copy_from, add_to, add_from, odd = [], [], [], [], []
         for k, p in enumerate(r.params):
             g = p.grad
@@ -140,6 +168,9 @@ class Landing:
                 used[k] = True
             elif g.dtype is not view.dtype or g.shape != view.shape or g.layout != torch.strided:
                 odd.append(k)
+            elif stale[k] and adopt and not eager_zero[k]:
+                adopted[k], stale[k], used[k] = g, False, True
+                self._owed = True
             elif stale[k]:
                 copy_to.append(view), copy_from.append(g)
                 stale[k] = False
@@ -154,5 +185,21 @@ class Landing:
         for k in odd:
             r._absorb(r.params[k], k)
             stale[k], used[k] = False, True
-        if (copy_to or add_to or odd) and r.state is StepState.IDLE:
+        if (copy_to or add_to or odd or self._owed) and r.state is StepState.IDLE:
             r._begin_accumulating()
+
+    @torch.no_grad()
+    def settle(self, r) -> None:
+        """Pay what adopting owes: copy every adopted gradient into its view (one multi-tensor
+        op); a ``param.grad`` that is still the adopted tensor becomes the view."""
+        if not self._owed:
+            return
+        self._owed = False
+        owed = [(k, g) for k, g in enumerate(self.adopted) if g is not None]
+        self.adopted[:] = [None] * len(self.adopted)
+        views, params = r._views, r.params
+        torch._foreach_copy_([views[k] for k, _ in owed], [g for _, g in owed])
+        for k, g in owed:
+            if params[k].grad is g:
+                params[k].grad = views[k]
+                r._armed[k] = True

@@ -13,12 +13,11 @@ See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step sta
     zero_grad_buffer      any -> IDLE               a new step begins (``zero_grad``)
 
 [Note: one closure per param]
-Per-param state is lists indexed by the param's registration index ``k`` (no dict or set
-lookup by param, whose hash is a Python call), and each param's post-accumulate hook is a
-closure bound to its ``k``, which finds its view and :class:`BucketGroup` through the
-reducer (weakly: [Note: dropped wrappers] in wrapped_param.py). On the direct path
-([Note: gradient as bucket view] in ddp.py: ACCUMULATING and ``param.grad`` is the view)
-the hook only marks the param written and counts its group down; every other case goes
+Per-param state is lists indexed by the param's registration index ``k`` (no hash of a
+param), and each param's post-accumulate hook is a closure bound to its ``k``, which finds
+its view and :class:`BucketGroup` through the reducer (weakly: [Note: dropped wrappers]).
+On the direct path ([Note: gradient as bucket view] in ddp.py: ACCUMULATING, ``param.grad``
+is the view) the hook only marks the param written and counts its group down; all else goes
 through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
 kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never armed
 ([Note: gradient as bucket view]). Deferring, collecting, zeroing: grad_landing.py.
@@ -27,6 +26,7 @@ kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never ar
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
@@ -180,8 +180,7 @@ class GradReducer(Reduction):
         return hook, arrive
 
     @property
-    def collecting(self) -> bool:
-        """[Note: one rank collects at the end] in grad_landing.py."""
+    def collecting(self) -> bool:  # [Note: one rank collects at the end] in grad_landing.py
         return self.landing.collecting
 
     # ---- the GradSink protocol ([Note: fused wgrad] in aligndp/plan/fused.py) ----
@@ -197,6 +196,7 @@ class GradReducer(Reduction):
         """``param.main_grad`` for users: the view, zeroed first if stale. Touching it during a
         step counts as giving the param a gradient (it is reduced and stepped)."""
         k = self._k[param]
+        self.landing.settle(self)  # [Note: one rank steps autograd's gradients]
         if self.collecting and self.state is not StepState.REDUCED:
             self.landing.collect(self)
         self._flush(self._group_of[k])
@@ -212,8 +212,7 @@ class GradReducer(Reduction):
         self._arrive[self._k[param]](self, param)
 
     def buckets_in_flight(self) -> list:
-        """Buckets whose gradient collective was launched and not yet waited for, in launch
-        order (read-only; empty outside a synchronised backward)."""
+        """Buckets launched and not yet waited for, in launch order (empty outside backward)."""
         return [g.ref for g in self.groups if g.reducing]
 
     # ---- hooks ----
@@ -285,9 +284,8 @@ class GradReducer(Reduction):
             self.finish_grad_sync()
 
     def _take(self, k: int) -> None:
-        """Zero a stale view before something accumulates into or reads it (the views of
-        direct buffers are zero already, unless their group deferred: zero_grad zeroed the
-        rest, [Note: deferring buckets are not zeroed] in grad_landing.py)."""
+        """Zero a stale view before something adds into or reads it (direct views are zero
+        already unless their group deferred: [Note: deferring buckets are not zeroed])."""
         if self._stale[k]:
             self._stale[k] = False
             if not self._direct[k] or self.landing.unzeroed[k]:
@@ -312,6 +310,7 @@ class GradReducer(Reduction):
         ([Note: step states]); a no-op in any other state."""
         if self.state is not StepState.REDUCED:
             return
+        self.landing.settle(self)  # the views take the adopted gradients first
         self.state = StepState.ACCUMULATING
         self.epoch += 1
         for k in sorted(self._published):
@@ -396,5 +395,6 @@ class GradReducer(Reduction):
             if self.state is StepState.REDUCED:  # None: every param (nothing to hash)
                 full = len(self._published) == len(self.params)
                 has = None if full else frozenset(self.params[k] for k in self._published)
-            view = self._view = ReducedGrads(self, self.epoch, self.index, has)
+            settle = functools.partial(self.landing.settle, self)  # owed copies: grad_landing
+            view = self._view = ReducedGrads(self, self.epoch, self.index, has, settle=settle)
         return view

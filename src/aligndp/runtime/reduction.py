@@ -91,7 +91,8 @@ class Reduction:
         alike. One rank alone (dp 1, no check_finite) agrees with itself on the host: its
         flags never go to the device."""
         if self.collecting and self.state is not StepState.REDUCED:
-            self.landing.collect(self)  # [Note: one rank collects at the end] in grad_landing.py
+            # [Note: one rank collects at the end] in grad_landing.py, maybe adopting
+            self.landing.collect(self, adopt=self.landing.adopting)
         if self.state is not StepState.ACCUMULATING:
             return self.reduced()
         self._raise_pending_problems()
@@ -121,13 +122,13 @@ class Reduction:
         self._reset_round()
         self.epoch += 1
         self.state = StepState.REDUCED
-        armed = self._armed
+        armed, adopted = self._armed, self.landing.adopted
         for k in range(len(self.params)) if used is self.params else map(self._k.get, used):
             p, slot = self.params[k], self._slots[k]
             if slot.sharded_grad is not None:
                 p.grad = slot.sharded_grad
                 armed[k] = False
-            elif p.grad is not slot.view:
+            elif p.grad is not slot.view and adopted[k] is None:
                 p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)
             self._published.add(k)
         if len(used) < len(self.params):  # an armed param without a gradient shows None

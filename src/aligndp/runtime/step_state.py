@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -134,10 +134,19 @@ class ReducedGrads:
     """
 
     def __init__(
-        self, source: _EpochSource, epoch: int, index: ParamIndex, has: frozenset | None
+        self,
+        source: _EpochSource,
+        epoch: int,
+        index: ParamIndex,
+        has: frozenset | None,
+        *,
+        settle: Callable[[], None] = lambda: None,
     ) -> None:
-        """``has``: the params with a reduced gradient; None when every param has one."""
+        """``has``: the params with a reduced gradient; None when every param has one.
+        ``settle``: fills the views before they are read (the copies one rank may owe,
+        [Note: one rank steps autograd's gradients] in grad_landing.py)."""
         self._source = source
+        self._settle = settle
         self.epoch = epoch
         """The reducer's epoch when this view was taken."""
         self._slots = index.slots
@@ -161,12 +170,14 @@ class ReducedGrads:
         """``param``'s reduced gradient in its buffer's dtype, shaped like the param: valid
         everywhere when replicated, only in :meth:`owned` when sharded or layer-wise."""
         self.check()
+        self._settle()
         return self._slots[param].view
 
     def owned(self, param: nn.Parameter) -> torch.Tensor:
         """The flat elements of ``param``'s reduced gradient this rank holds: all of them when
         replicated, its :class:`~aligndp.plan.slots.OwnedPiece` otherwise (maybe empty)."""
         self.check()
+        self._settle()
         slot = self._slots[param]
         flat = slot.view.view(-1)
         return flat if slot.owned is None else flat[slot.owned.lo : slot.owned.hi]
