@@ -16,6 +16,7 @@ import contextlib
 import copy
 import datetime
 import gc
+import inspect
 import math
 import time
 import weakref
@@ -232,8 +233,10 @@ def case_one_rank_steps_autograds_gradients_with_no_copy(rank, ws):
                     p0 = params[0]
                     mine = p0.grad = autograds[0] * 2
                     assert torch.equal(p0.main_grad, autograds[0]) and p0.grad is mine, what
-                if step == 3:  # a second backward adds, as in torch
+                if step == 3:  # a second backward adds, as in torch; nothing is owed after
                     backward_on(model, step + 1, rank, ws)
+                    total = [p.grad.clone() for p in params]
+                    assert all(torch.equal(p.main_grad, t) for p, t in zip(params, total)), what
                 opt.step()
             if step == 0:
                 assert copies.count == 0, f"{what}: {copies.count} copies ran"
@@ -425,8 +428,12 @@ def case_model_zero_grad_is_opt_zero_grad(rank, ws):
 def case_torch_compile_after_parallelize_matches_torch_ddp(rank, ws):
     """Row: ``torch.compile(model)`` after ``parallelize`` (the whole model), or of each layer
     (torchtitan's per-block compile), in every mode: the same params as eager torch DDP at the
-    eager bar, and no graph break — also under bf16 autocast ([Note: compiled forward])."""
+    eager bar, and no graph break — also under bf16 autocast ([Note: compiled forward]); the
+    wrapper's forward is compiled code Dynamo keeps, not a frame it decides to skip each call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
+
+    from aligndp.runtime.forward_hooks import after_forward, before_forward
 
     for mode in ("none", "zero1", "muon zero1", "muon none"):
         for how in ("whole", "per layer") if mode in ("none", "zero1") else ("whole",):
@@ -453,7 +460,35 @@ def case_torch_compile_after_parallelize_matches_torch_ddp(rank, ws):
                 opt.zero_grad()
                 assert counters["stats"]["unique_graphs"] >= 1, f"{mode} {how}: nothing compiled"
                 assert not counters["graph_break"], f"{mode} {how}: {dict(counters['graph_break'])}"
+                if how == "whole":  # Dynamo keeps forward's graph (no frame callback per call)
+                    code = type(model).forward.__code__
+                    assert _debug_get_cache_entry_list(code), f"{mode}: forward not cached"
+                    for hook in (before_forward, after_forward):  # and never traces the hooks
+                        code = inspect.unwrap(hook).__code__
+                        assert not _debug_get_cache_entry_list(code), f"{mode}: {hook} traced"
     torch._dynamo.reset()
+
+
+@case(1, 2)
+def case_calling_model_forward_directly_matches_torch_ddp(rank, ws):
+    """Row: ``model.forward(x)`` instead of ``model(x)`` (no module hooks run): the wrapper's
+    bookkeeping still runs, as in torch DDP, whose ``forward`` does it itself; a replaced
+    wrapper still refuses ([Note: compiled forward])."""
+    for mode in ("none", "zero1"):
+        model, opt = wrap(make_net(), mode)
+        ref = TorchDDP(make_net(), mode)
+        for step in range(3):
+            for m in (model, ref.model):
+                idx, tgt = batch(step, rank, ws)
+                out = m.forward(idx)
+                nn.functional.cross_entropy(
+                    out.reshape(-1, out.shape[-1]), tgt.reshape(-1)
+                ).backward()
+            published(model, mode)
+            step_both(model, opt, ref, f"{mode} step {step}")
+        aligndp.parallelize(model.module, lr=LR)  # wraps the same module again
+        with pytest.raises(RuntimeError, match="replaced by a newer wrap"):
+            model.forward(batch(0, rank, ws)[0])
 
 
 @case(1, 2, 3)

@@ -73,6 +73,7 @@ from aligndp.runtime.collective_backends import (
 )
 from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
+from aligndp.runtime.forward_hooks import after_forward, before_forward
 from aligndp.runtime.gather_codec import GatherCodec
 from aligndp.runtime.grad_sync import GradReducer
 from aligndp.runtime.join import Join
@@ -241,6 +242,9 @@ class DataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p, hook in hooks]
         # state_dict() waits for gathers, layers write to the reducer: [Note: dropped wrappers]
         attach_to_module(self, self._hooks, self.reducer, self.param_gather, [m for _, m in fused])
+        self._in_call = False  # between our forward pre-hook and hook ([Note: compiled forward])
+        self.register_forward_pre_hook(before_forward)
+        self.register_forward_hook(after_forward)
 
     @property
     def collectives(self) -> Collectives:
@@ -341,29 +345,13 @@ class DataParallel(nn.Module):
         view, a ``data_ptr()``) or to end the step's communication. A no-op otherwise."""
         self.param_gather.wait_all()
 
-    # [Note: compiled forward]: torch.compile runs this frame eagerly (the bookkeeping: step
-    # states, arming, gathers) and compiles the module's own forward inside it
-    @torch.compiler.disable(recursive=False)
+    # [Note: compiled forward] (DESIGN.md): the step's bookkeeping runs in the wrapper's own
+    # forward pre-hook and hook, which Dynamo never traces; forward is the module's call alone
     def forward(self, *args, **kwargs):
-        if self._replaced:
-            raise RuntimeError(
-                "this DataParallel was replaced by a newer wrap of the same module; use the new one"
-            )
-        if self._joined is not None:
-            self._joined.forward()
-        if self.config.broadcast_buffers and self.world_size > 1:
-            self._broadcast_buffers()
-        if torch.is_grad_enabled():
-            self.reducer._reopen()  # before autograd accumulates into a ShardedGrad
-            self.reducer.arm()  # [Note: gradient as bucket view]
-        out = self.module(*args, **kwargs)
-        if self.reducer.collecting and torch.is_grad_enabled():
-            self.reducer.landing.watch(self.reducer, out)
-        gather = self.param_gather
-        if gather.in_flight:
-            self.reducer.note_unwaited(gather.pending_params())
-            gather.wait_all()
-        return out
+        if not self._in_call:  # model.forward(...) itself: the hooks did not run
+            before_forward(self, args)
+            return after_forward(self, args, self.module(*args, **kwargs))
+        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
