@@ -1,9 +1,10 @@
 """The forward pre-hook and hook of :class:`~aligndp.runtime.ddp.DataParallel`: the step's
 bookkeeping around the wrapped module's forward ([Note: compiled forward] in DESIGN.md).
 
-Both are ``torch.compiler.disable`` (recursive), a skip Dynamo caches on their code, so under
-``torch.compile(model)`` they run eagerly around the traced module call at the cost of a
-plain call. ``model.forward(x)`` called directly (no hooks) runs both itself.
+``torch.compile(model)`` runs module hooks outside Dynamo and traces only ``forward``; both
+hooks are also ``torch.compiler.disable`` (recursive, a skip Dynamo caches on their code), so
+a traced caller of the wrapper runs them eagerly too. ``model.forward(x)`` called directly (no
+hooks) runs both itself.
 """
 
 from __future__ import annotations
