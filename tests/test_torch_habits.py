@@ -473,7 +473,7 @@ def case_torch_compile_after_parallelize_matches_torch_ddp(rank, ws):
 def case_calling_model_forward_directly_matches_torch_ddp(rank, ws):
     """Row: ``model.forward(x)`` instead of ``model(x)`` (no module hooks run): the wrapper's
     bookkeeping still runs, as in torch DDP, whose ``forward`` does it itself; a replaced
-    wrapper still refuses ([Note: compiled forward])."""
+    wrapper still refuses, also after a forward that raised ([Note: compiled forward])."""
     for mode in ("none", "zero1"):
         model, opt = wrap(make_net(), mode)
         ref = TorchDDP(make_net(), mode)
@@ -486,9 +486,11 @@ def case_calling_model_forward_directly_matches_torch_ddp(rank, ws):
                 ).backward()
             published(model, mode)
             step_both(model, opt, ref, f"{mode} step {step}")
+        with pytest.raises((RuntimeError, IndexError, TypeError)):  # the module's own error
+            model(batch(0, rank, ws)[0].float())
         aligndp.parallelize(model.module, lr=LR)  # wraps the same module again
         with pytest.raises(RuntimeError, match="replaced by a newer wrap"):
-            model.forward(batch(0, rank, ws)[0])
+            model.forward(batch(0, rank, ws)[0])  # still checked after a forward that raised
 
 
 @case(1, 2, 3)

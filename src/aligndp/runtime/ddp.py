@@ -244,7 +244,7 @@ class DataParallel(nn.Module):
         attach_to_module(self, self._hooks, self.reducer, self.param_gather, [m for _, m in fused])
         self._in_call = False  # between our forward pre-hook and hook ([Note: compiled forward])
         self.register_forward_pre_hook(before_forward)
-        self.register_forward_hook(after_forward)
+        self.register_forward_hook(after_forward, always_call=True)  # also when forward raises
 
     @property
     def collectives(self) -> Collectives:
