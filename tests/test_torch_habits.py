@@ -486,8 +486,9 @@ def case_calling_model_forward_directly_matches_torch_ddp(rank, ws):
                 ).backward()
             published(model, mode)
             step_both(model, opt, ref, f"{mode} step {step}")
-        with pytest.raises((RuntimeError, IndexError, TypeError)):  # the module's own error
-            model(batch(0, rank, ws)[0].float())
+        for call in (model, model.forward):  # the module's own error, either way
+            with pytest.raises((RuntimeError, IndexError, TypeError)):
+                call(batch(0, rank, ws)[0].float())
         aligndp.parallelize(model.module, lr=LR)  # wraps the same module again
         with pytest.raises(RuntimeError, match="replaced by a newer wrap"):
             model.forward(batch(0, rank, ws)[0])  # still checked after a forward that raised

@@ -350,7 +350,12 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if not self._in_call:  # model.forward(...) itself: the hooks did not run
             before_forward(self, args)
-            return after_forward(self, args, self.module(*args, **kwargs))
+            out = None
+            try:
+                out = self.module(*args, **kwargs)
+            finally:  # as the always_call hook: no stale in-call mark after an error
+                after_forward(self, args, out)
+            return out
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
