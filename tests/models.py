@@ -9,6 +9,7 @@
 - Comparisons: :func:`rel_error` (normwise), :func:`assert_close`, :func:`assert_params_match`,
   :func:`assert_replicas_identical`; the tolerances come from :func:`order_tolerance`.
 - :func:`ckpt`: a directory shared by the ranks of this test session.
+- :class:`CountOps`: the aten ops (and allocations) that run while it is active.
 
 [Tolerances] Two runs that compute the same thing with their sums in another order (torch
 DDP's all-reduce against aligndp's buckets, one process against a sum over ranks, a GEMM or a
@@ -58,6 +59,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
 VOCAB = 29
@@ -379,6 +382,31 @@ if "ALIGNDP_TEST_CKPT_DIR" not in os.environ:  # the pytest process; ranks inher
 
     os.environ["ALIGNDP_TEST_CKPT_DIR"] = tempfile.mkdtemp(prefix="aligndp-ckpt-")
     atexit.register(shutil.rmtree, os.environ["ALIGNDP_TEST_CKPT_DIR"], True)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts aten ops, and the ones whose result lives in a storage no input had (an
+    allocation; views and in-place ops return an input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.allocations = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {
+            a.untyped_storage().data_ptr()
+            for a in pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
+        self.ops.append(str(func))
+        self.allocations += sum(
+            o.untyped_storage().data_ptr() not in seen
+            for o in pytree.tree_leaves(out)
+            if isinstance(o, torch.Tensor)
+        )
+        return out
 
 
 def ckpt(name: str) -> str:

@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import aligndp
 from aligndp.app.layout_cli import add_arguments
@@ -24,7 +22,7 @@ from aligndp.lowp import MXLinear, convert_to_mxfp8, get_backend, recipe_names
 from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
 from aligndp.plan.fused import GradTarget
 from tests._dist import case, make_tests
-from tests.models import MLP, assert_close, order_tolerance
+from tests.models import MLP, CountOps, assert_close, order_tolerance
 
 
 def by_hand(t: torch.Tensor) -> torch.Tensor:
@@ -108,31 +106,6 @@ def test_cuda_quantises_in_a_row_each_take_their_own_amax():
         assert torch.equal(gpu.scale.cpu(), cpu.scale), shape
         assert torch.equal(gpu.data_t.cpu().view(torch.uint8), cpu.data_t.view(torch.uint8))
         assert gpu.data.data_ptr() % 256 == gpu.data_t.data_ptr() % 256 == 0
-
-
-class CountOps(TorchDispatchMode):
-    """Counts aten ops, and the ones whose result lives in a storage no input had (an
-    allocation; views and in-place ops return an input's storage)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-        self.allocations = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {
-            a.untyped_storage().data_ptr()
-            for a in pytree.tree_leaves((args, kwargs))
-            if isinstance(a, torch.Tensor)
-        }
-        self.ops.append(str(func))
-        self.allocations += sum(
-            o.untyped_storage().data_ptr() not in seen
-            for o in pytree.tree_leaves(out)
-            if isinstance(o, torch.Tensor)
-        )
-        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
