@@ -34,9 +34,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from aligndp.lowp.backends import WgradBackend
+from aligndp.lowp.backends import WgradBackend, put_wgrad
 from aligndp.lowp.layer_rule import FUSED_BF16_SKIP, GainRule
 from aligndp.lowp.recipe import BackendRef, Recipe
+from aligndp.plan.fused import GradTarget
 from aligndp.plan.spec import Requirement
 
 __all__ = ["RECIPE", "FusedBackend", "gemm_into"]
@@ -65,10 +66,8 @@ def gemm_into(view: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulat
             view.addmm_(a, b)
         else:
             torch.mm(a, b, out=view)
-    elif accumulate:  # float32 operands into a bf16 view: the float32 product, rounded once
-        view.add_(a @ b)
-    else:
-        view.copy_(a @ b)
+    else:  # float32 operands into a bf16 view: the float32 product, rounded once
+        put_wgrad(GradTarget(view, accumulate=accumulate), a @ b)
 
 
 class FusedBackend(WgradBackend):
