@@ -4,7 +4,8 @@ test can run the Python around them — the fp8 / mxfp8 backend, the custom ops 
 
 Same signatures, shapes, dtypes and in-place behaviour as the real kernels ([Note: operand
 layout] in aligndp/lowp/triton_common.py): quantise blocks of ``block`` elements along each
-GEMM's contraction dim (float32 scales ``amax / 448``, or E8M0 by
+GEMM's contraction dim (float32 scales ``amax / 448`` by
+:func:`aligndp.lowp.fp8_blocks.quantize_blocks`, or E8M0 by
 :func:`aligndp.lowp.mx_format.quantize_mxfp8`), and a GEMM that dequantises, multiplies in
 float32 and writes ``out`` or adds to it (``accumulate``) — a workspace, when given, is reused
 per shape and role as the real quantise does. The numerics are the book's, not the kernels'
@@ -17,12 +18,10 @@ import types
 
 import torch
 
+from aligndp.lowp.fp8_blocks import quantize_blocks
 from aligndp.lowp.mx_format import quantize_mxfp8
 from aligndp.lowp.recipe import ScaleFormat
-from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR
 from aligndp.lowp.triton_common import QuantizedOperand
-
-E4M3_MAX = 448.0
 
 
 def _quantize_along_rows(x: torch.Tensor, block: int, mx: bool):
@@ -30,13 +29,7 @@ def _quantize_along_rows(x: torch.Tensor, block: int, mx: bool):
     if mx:
         q = quantize_mxfp8(x, dim=-1, block_size=block)
         return q.data, q.scale.view(torch.uint8).T
-    m, n = x.shape
-    blocks = x.float().view(m, n // block, block)
-    amax = blocks.abs().amax(-1)
-    fp8_max = torch.full_like(amax, E4M3_MAX)
-    safe = torch.where(amax > 0, amax.clamp(min=AMAX_FLOOR), fp8_max)
-    data = (blocks * (fp8_max / safe)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
-    return data.to(torch.float8_e4m3fn).view(m, n), (safe / fp8_max).T
+    return quantize_blocks(x, block)
 
 
 def quantize_rows_and_columns(
@@ -95,6 +88,12 @@ def scaled_gemm(
     bias: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
+    for t in (*a, *b, out):  # TMA descriptors: row-major, even for a tensor of one row
+        if t.stride() != (t.shape[1], 1):
+            raise ValueError(f"GEMM tensor {tuple(t.shape)} strides {t.stride()}: not row-major")
+    for op in (a, b):
+        if tuple(op.scale_t.shape) != (op.data.shape[1] // block, op.data.shape[0]):
+            raise ValueError(f"scales {tuple(op.scale_t.shape)} for data {tuple(op.data.shape)}")
     mx = ScaleFormat(scale_format) is ScaleFormat.E8M0
     product = _dequantize(a, block, mx) @ _dequantize(b, block, mx).T
     if bias is not None:

@@ -347,15 +347,9 @@ def check_micro_batches(
     torch._dynamo.reset()
 
 
-@pytest.mark.skipif(CUDA, reason="the GPU runs the real kernels: test_micro_batches_on_gpu")
-@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
-def test_blockwise_fp8_micro_batches_on_cpu_stand_in_kernels(
-    one_rank, monkeypatch, compile_backend
-):
-    """The 1x128 fp8 backend's Python on CPU: its kernels replaced by torch stand-ins
-    (tests/_cpu_kernels.py) with the same contracts, the custom ops and the grad sink real.
-    The unfused reference and the fused run go through the same stand-ins, so the sums agree
-    bit for bit (float32 addition commutes: ``view + product`` is ``product + view``)."""
+def stand_in_backend(monkeypatch, recipe: str):
+    """The Hopper backend of ``recipe`` (``fp8`` or ``mxfp8``) on CPU: its kernels replaced by
+    the torch stand-ins of tests/_cpu_kernels.py, the custom ops and everything around real."""
     import sys
 
     from aligndp.lowp.recipes import get_recipe
@@ -368,8 +362,70 @@ def test_blockwise_fp8_micro_batches_on_cpu_stand_in_kernels(
     monkeypatch.setitem(
         sys.modules, "aligndp.lowp.triton_backend", sys.modules[TritonBackend.__module__]
     )
-    backend = TritonBackend(get_recipe("fp8"), name="fp8")
+    return TritonBackend(get_recipe(recipe), name="fp8" if recipe == "fp8" else "triton")
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU runs the real kernels: test_micro_batches_on_gpu")
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+def test_blockwise_fp8_micro_batches_on_cpu_stand_in_kernels(
+    one_rank, monkeypatch, compile_backend
+):
+    """The 1x128 fp8 backend's Python on CPU (:func:`stand_in_backend`). The unfused reference
+    and the fused run go through the same stand-ins — and compiled, through
+    :func:`aligndp.lowp.fp8_blocks.quantize_blocks`, which the stand-in's quantise calls too —
+    so the sums agree bit for bit (float32 addition commutes: ``view + product`` is
+    ``product + view``)."""
+    backend = stand_in_backend(monkeypatch, "fp8")
     check_micro_batches(backend, "fp8", "cpu", compile_backend, rel=0.0)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8"])
+def test_compiled_hopper_step_on_stand_in_kernels(monkeypatch, recipe):
+    """:func:`check_compiled_like_eager` for the Hopper backends' Python on CPU
+    (:func:`stand_in_backend`): bit for bit under aot_eager. The 64-wide net pads K to one
+    128 block, so a compiled 1x128 operand's scales are a single row, whose strides must still
+    be row-major: the TMA contract the stand-in GEMM checks (``contiguous()`` alone leaves a
+    one-row transpose with strides (1, 1))."""
+    check_compiled_like_eager(stand_in_backend(monkeypatch, recipe), "cpu", "aot_eager")
+
+
+@pytest.mark.parametrize("recipe, opaque_quantises", [("fp8", 2), ("mxfp8", 6)])
+def test_compiled_graph_quantises_1x128_in_torch_ops(
+    one_rank, monkeypatch, recipe, opaque_quantises
+):
+    """Compiled, the 1x128 quantise of what the graph produces (``x`` of both layers in forward,
+    ``grad_out`` of both in backward) is torch ops (amax, divide, clamp, cast) that Inductor
+    fuses into the producer; only the two weights, graph inputs, go through the one-pass
+    ``aligndp::quantize_rc`` op. MXFP8 quantises all six through the op. Both keep the GEMMs'
+    and the sink's ops: the forward and backward graphs AOT autograd hands its compilers are
+    read."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    import aligndp
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    net = convert_to_mxfp8(Net128(), backend=stand_in_backend(monkeypatch, recipe), layers="all")
+    model, _ = aligndp.parallelize(net, optimizer="adamw", lr=1e-2, wgrad=recipe)
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    forward(compiled, torch.randn(MICRO_TOKENS, 128)).backward()
+    torch._dynamo.reset()
+    called = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    # the sink's op mutates its token, so the graph holds it inside an auto_functionalized node
+    called += [n.args[0] for gm in graphs for n in gm.graph.nodes if "auto_func" in str(n.target)]
+    ops = torch.ops.aligndp
+    assert len(graphs) == 2 and called.count(ops.fused_wgrad.default) == 2  # up and down
+    assert called.count(ops.scaled_mm.default) == 3  # 2 forward GEMMs, down's dgrad (up's
+    # input needs no grad), the wgrads inside fused_wgrad
+    assert called.count(ops.quantize_rc.default) == opaque_quantises
+    # rows and columns of both x in forward, of both grad_out in backward (up's: columns only)
+    assert called.count(torch.ops.aten.amax.default) == (7 if recipe == "fp8" else 0)
 
 
 @NEEDS_CUDA

@@ -304,3 +304,28 @@ def test_errors_say_what_to_do():
     assert math.isclose(
         dequantize_mxfp8(quantize_mxfp8(torch.full((1, 32), 2.0)))[0, 0].item(), 2.0
     )
+
+
+def test_fp8_1x128_blocks_by_hand():
+    """The ``fp8`` recipe's blocks (aligndp.lowp.fp8_blocks), hand-worked: a block whose amax
+    is 896 has scale 2 and its elements halve, rounded to the nearest E4M3 (0.3 / 2 = 0.15 lies
+    between 0.140625 and 0.15625, nearer the second); an all-zero block has scale 1; a block of
+    amax 1e-37 takes its scale from the 1e-30 floor, so its zeros stay 0 (448 / 1e-37 would
+    overflow and make them NaN). Column blocks of ``x.T`` are the same rule on the transpose,
+    and both layouts are the kernels' (data (M, N), scales (N / 128, M), contiguous)."""
+    from aligndp.lowp.fp8_blocks import quantize_blocks
+
+    x = torch.zeros(2, 256)
+    x[0, :4] = torch.tensor([-896.0, 1.0, 3.0, 0.3])
+    x[1, 128] = 1e-37
+    data, scale_t = quantize_blocks(x, 128)
+    assert data.dtype == E4M3 and data.shape == (2, 256) and data.is_contiguous()
+    assert scale_t.shape == (2, 2) and scale_t.is_contiguous()
+    assert scale_t.tolist() == [[2.0, 1.0], [1.0, pytest.approx(1e-30 / 448, rel=1e-6)]]
+    assert data[0, :4].float().tolist() == [-448.0, 0.5, 1.5, 0.15625]
+    assert not data.float()[:, 4:].any() and data.float().isfinite().all()
+    col_data, col_scale_t = quantize_blocks(x.T, 2)  # blocks of 2 along the 2 rows of x
+    assert col_data.shape == (256, 2) and col_scale_t.shape == (1, 256)
+    assert col_data.is_contiguous() and col_scale_t.is_contiguous()  # x.T is not
+    assert torch.equal(col_scale_t[0, :3], torch.tensor([896.0, 1.0, 3.0]) / 448)  # float32
+    assert col_data[:3, 0].float().tolist() == [-448.0, 448.0, 448.0]

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from aligndp.lowp.backends import WgradBackend, pad_tokens, put_wgrad
+from aligndp.lowp.fp8_blocks import quantize_blocks
 from aligndp.lowp.mx_format import padded_length
-from aligndp.lowp.ops import quantize_rc, scaled_mm
+from aligndp.lowp.ops import compiling, quantize_rc, scaled_mm
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
 from aligndp.plan.fused import GradTarget
@@ -78,13 +79,24 @@ class TritonBackend(WgradBackend):
         rowwise: bool = True,
         colwise: bool = True,
         workspace: dict | None = None,
+        produced: bool = True,
     ) -> tuple[QuantizedOperand | None, QuantizedOperand | None]:
         """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
         (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for. Into
         ``workspace``'s operands when given (only for operands used up before the next
-        quantise of that shape)."""
+        quantise of that shape). Compiled, float32 scales, ``t`` ``produced`` by the graph (an
+        activation or a gradient, not a weight): in torch ops, which Inductor fuses into the
+        kernel producing ``t`` ([Note: compiled MX layers] in ops.py). A weight is a graph
+        input, with no producer to fuse into: the one-pass kernel reads it once for both
+        layouts, where Inductor's row and column reductions would read it twice."""
+        t = _pad_2d(t, self.block)
+        if produced and not self._mx and compiling():
+            return tuple(
+                QuantizedOperand(*quantize_blocks(v, self.block)) if wanted else None
+                for wanted, v in ((rowwise, t), (colwise, t.T))
+            )
         pairs = quantize_rc(
-            _pad_2d(t, self.block),
+            t,
             block=self.block,
             mx=self._mx,
             rowwise=rowwise,
@@ -107,11 +119,13 @@ class TritonBackend(WgradBackend):
         return out if out.shape == (rows, cols) else out[:rows, :cols]
 
     def forward(self, x, weight):
-        a, b = self._quantize(x, colwise=False)[0], self._quantize(weight, colwise=False)[0]
+        a = self._quantize(x, colwise=False)[0]
+        b = self._quantize(weight, colwise=False, produced=False)[0]
         return self._gemm(a, b, x.shape[0], weight.shape[0], x.dtype)
 
     def dgrad(self, grad_out, weight):
-        a, b = self._quantize(grad_out, colwise=False)[0], self._quantize(weight, rowwise=False)[1]
+        a = self._quantize(grad_out, colwise=False)[0]
+        b = self._quantize(weight, rowwise=False, produced=False)[1]
         return self._gemm(a, b, grad_out.shape[0], weight.shape[1], grad_out.dtype)
 
     def _wgrad_operands(self, grad_out, x) -> tuple[QuantizedOperand, QuantizedOperand]:
@@ -146,11 +160,11 @@ class TritonBackend(WgradBackend):
 
     def quantize_weight(self, weight):
         """Its rows (forward) and columns (dgrad), in one pass."""
-        return self._quantize(weight)
+        return self._quantize(weight, produced=False)
 
     def forward_for_backward(self, x, weight, bias=None, *, weight_q=None):
         x_row, x_col = self._quantize(x)
-        w_row, w_col = weight_q if weight_q is not None else self._quantize(weight)
+        w_row, w_col = weight_q if weight_q is not None else self.quantize_weight(weight)
         y = self._gemm(
             x_row, w_row, x.shape[0], weight.shape[0], x.dtype, bias=bias
         )  # bias in the epilogue

@@ -1,0 +1,39 @@
+"""The ``fp8`` recipe's 1x128 blockwise format in torch ops.
+
+Compiled graphs quantise through :func:`quantize_blocks`, so Inductor fuses each operand's
+block amax, scale and cast into the kernel that produces the operand (the LayerNorm, the
+GELU, the add before it) instead of launching the Hopper quantise kernel as an opaque op per
+operand ([Note: compiled MX layers] in ops.py). The CPU stand-in kernels of the tests quantise
+through it too: one definition of the format beside the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
+
+__all__ = ["quantize_blocks"]
+
+
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (M, N), any strides, N a multiple of ``block``, in 1x``block`` blocks along N:
+    ``(data, scale_t)`` = ((M, N) E4M3, (N / block, M) float32), both row-major, the layout of
+    [Note: operand layout] in triton_common.py. Per block, ``safe = max(amax, 1e-30)`` (448 for
+    an all-zero block); data ``x * (448 / safe)`` saturated at 448 (NaN kept), rounded to
+    nearest even; scale ``safe / 448``. The Hopper quantise kernels' arithmetic, step for step
+    (Inductor's division may round the inverse differently in its last bit)."""
+    m, n = x.shape
+    blocks = x.float().reshape(m, n // block, block)
+    amax = blocks.abs().amax(-1)
+    safe = torch.where(amax > 0, amax.clamp(min=AMAX_FLOOR), E4M3_MAX)
+    scaled = blocks * (E4M3_MAX / safe).unsqueeze(-1)
+    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, n)
+    return _dense(data), _dense((safe / E4M3_MAX).T)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides. Not ``contiguous()``: that keeps a one-row transpose's
+    strides (1, 1), which counts as contiguous but is no 16-byte row stride for a TMA
+    descriptor (a K = 128 operand's scales are one row)."""
+    return t.clone(memory_format=torch.contiguous_format)
