@@ -1,10 +1,11 @@
 """The ``fp8`` recipe's 1x128 blockwise format in torch ops.
 
-Compiled graphs quantise through :func:`quantize_blocks`, so Inductor fuses each operand's
-block amax, scale and cast into the kernel that produces the operand (the LayerNorm, the
-GELU, the add before it) instead of launching the Hopper quantise kernel as an opaque op per
-operand ([Note: compiled MX layers] in ops.py). The CPU stand-in kernels of the tests quantise
-through it too: one definition of the format beside the kernels.
+Compiled graphs quantise the activations and gradients they compute through
+:func:`quantize_blocks`, so Inductor fuses each operand's block amax, scale and cast into the
+kernels around the operand's producer (the LayerNorm, the GELU) instead of launching the Hopper
+quantise kernel as an opaque op per operand; weights, graph inputs, keep the kernel
+([Note: compiled MX layers] in ops.py). The CPU stand-in kernels of the tests quantise through
+it too: one definition of the format beside the kernels.
 """
 
 from __future__ import annotations
