@@ -6,7 +6,7 @@ Same signatures, shapes, dtypes and in-place behaviour as the real kernels ([Not
 layout] in aligndp/lowp/triton_common.py): quantise blocks of ``block`` elements along each
 GEMM's contraction dim (float32 scales ``amax / 448`` by
 :func:`aligndp.lowp.fp8_blocks.quantize_blocks`, or E8M0 by
-:func:`aligndp.lowp.mx_format.quantize_mxfp8`), and a GEMM that dequantises, multiplies in
+:func:`aligndp.lowp.fp8_blocks.quantize_mx_blocks`), and a GEMM that dequantises, multiplies in
 float32 and writes ``out`` or adds to it (``accumulate``) — a workspace, when given, is reused
 per shape and role as the real quantise does. The numerics are the book's, not the kernels'
 summation order: tests compare two runs through these stand-ins, never them with the GPU.
@@ -18,18 +18,14 @@ import types
 
 import torch
 
-from aligndp.lowp.fp8_blocks import quantize_blocks
-from aligndp.lowp.mx_format import quantize_mxfp8
+from aligndp.lowp.fp8_blocks import quantize_blocks, quantize_mx_blocks
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_common import QuantizedOperand
 
 
 def _quantize_along_rows(x: torch.Tensor, block: int, mx: bool):
     """(data (M, N), scale_t (N / block, M)) of ``x`` (M, N) in blocks along N."""
-    if mx:
-        q = quantize_mxfp8(x, dim=-1, block_size=block)
-        return q.data, q.scale.view(torch.uint8).T
-    return quantize_blocks(x, block)
+    return (quantize_mx_blocks if mx else quantize_blocks)(x, block)
 
 
 def quantize_rows_and_columns(

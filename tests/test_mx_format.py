@@ -306,6 +306,29 @@ def test_errors_say_what_to_do():
     )
 
 
+def test_fp8_1x128_inverse_scale_is_one_correctly_rounded_division():
+    """The kernels scale a block by ``div_rn(448, amax)``: the quotient rounded once to float32.
+    The reference takes it in float64 and rounds that to float32, the same number (float64
+    carries well over twice float32's precision, so the second rounding is innocent). Each
+    block holds its amax and 127 elements at midpoints between neighbouring E4M3 values
+    (scaled by ``amax / 448``), where one ulp of the inverse decides which way an element
+    rounds. Caught on the GPU: ``448 / amax`` in torch is ``amax.reciprocal() * 448``, rounded
+    twice, and about 13 % of these elements then cast to another E4M3 than the kernels'."""
+    from aligndp.lowp.fp8_blocks import quantize_blocks
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    grid = codes[codes.isfinite() & (codes >= 1)].unique()  # sorted, 1 ... 448
+    midpoints = (grid[:-1] + grid[1:]) / 2
+    amax = torch.rand(512, 1, generator=g, dtype=torch.float64) * 100 + 0.01
+    picked = midpoints[torch.randint(len(midpoints), (512, 127), generator=g)].double()
+    x = torch.cat([amax, picked * amax / 448], dim=1).float()  # (512, 128): one block per row
+    inverse = (448.0 / x.abs().amax(-1, keepdim=True).double()).float()
+    want = (x * inverse).clamp(-448, 448).to(E4M3)
+    data, _ = quantize_blocks(x, 128)
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_fp8_1x128_blocks_by_hand():
     """The ``fp8`` recipe's blocks (aligndp.lowp.fp8_blocks), hand-worked: a block whose amax
     is 896 has scale 2 and its elements halve, rounded to the nearest E4M3 (0.3 / 2 = 0.15 lies

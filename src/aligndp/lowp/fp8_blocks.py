@@ -1,20 +1,22 @@
-"""The ``fp8`` recipe's 1x128 blockwise format in torch ops.
+"""The Hopper kernels' block-scaled operands in torch ops: the ``fp8`` recipe's 1x128 blocks
+(:func:`quantize_blocks`) and MXFP8's 1x32 (:func:`quantize_mx_blocks`).
 
-Compiled graphs quantise the activations and gradients they compute through
-:func:`quantize_blocks`, so Inductor fuses each operand's block amax, scale and cast into the
-kernels around the operand's producer (the LayerNorm, the GELU) instead of launching the Hopper
-quantise kernel as an opaque op per operand; weights, graph inputs, keep the kernel
-([Note: compiled MX layers] in ops.py). The CPU stand-in kernels of the tests quantise through
-it too: one definition of the format beside the kernels.
+Compiled graphs quantise the activations and gradients they compute through these, so
+Inductor fuses each operand's block amax, scale and cast into the kernels around the operand's
+producer (the LayerNorm, the GELU) instead of launching the Hopper quantise kernel as an
+opaque op per operand; weights, graph inputs, keep the kernel ([Note: compiled MX layers] in
+ops.py). The CPU stand-in kernels of the tests quantise through them too: one definition of
+each format beside the kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
+from aligndp.lowp.mx_format import mx_blocks
 from aligndp.lowp.recipe_fp8_tensor import AMAX_FLOOR, E4M3_MAX
 
-__all__ = ["quantize_blocks"]
+__all__ = ["quantize_blocks", "quantize_mx_blocks"]
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,9 +30,20 @@ def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     blocks = x.float().reshape(m, n // block, block)
     amax = blocks.abs().amax(-1)
     safe = torch.where(amax > 0, amax.clamp(min=AMAX_FLOOR), E4M3_MAX)
-    scaled = blocks * (E4M3_MAX / safe).unsqueeze(-1)
+    # tensor by tensor, rounded once as the kernels' div_rn: torch computes ``448 / safe`` as
+    # ``safe.reciprocal() * 448``, and on CUDA ``safe / 448`` as ``safe * (1 / 448)``
+    fp8_max = torch.full_like(safe, E4M3_MAX)
+    scaled = blocks * (fp8_max / safe).unsqueeze(-1)
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(m, n)
-    return _dense(data), _dense((safe / E4M3_MAX).T)
+    return _dense(data), _dense((safe / fp8_max).T)
+
+
+def quantize_mx_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (M, N) in MXFP8 blocks of ``block`` along N: ``(data, scale_t)`` = ((M, N) E4M3,
+    (N / block, M) uint8 biased E8M0 exponents), row-major as :func:`quantize_blocks`'s. The rule
+    of :func:`aligndp.lowp.mx_format.mx_blocks`, which the MXFP8 kernels match bit for bit."""
+    data, scale = mx_blocks(x, block)
+    return _dense(data), _dense(scale.T)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ __all__ = [
     "ELEMENT_FORMATS",
     "MXFormatTypeError",
     "quantize_mxfp8",
+    "mx_blocks",
     "dequantize_mxfp8",
     "shared_exponent",
     "padded_length",
@@ -172,18 +173,29 @@ def quantize_mxfp8(
     the contraction dim of the GEMM that consumes the result (tokens for a wgrad GEMM).
     """
     dim = _check_input(x, dim, block_size)
+    data, scale = mx_blocks(x.movedim(dim, -1), block_size, elem_dtype)
+    scale = scale.view(torch.float8_e8m0fnu)
+    return MXTensor(data.movedim(-1, dim).contiguous(), scale.movedim(-1, dim).contiguous())
+
+
+def mx_blocks(
+    x: torch.Tensor, block_size: int, elem_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of :func:`quantize_mxfp8` along the last dim of ``x`` (a multiple of
+    ``block_size``, unchecked): ``(data, scale_bytes)``, data ``(..., N)`` in ``elem_dtype`` and
+    the biased E8M0 exponents ``(..., N / block_size)`` as uint8. Plain torch ops, so a
+    compiled graph can fuse them into the kernel producing ``x``."""
     fmt = _element_format(elem_dtype)
-    moved = x.movedim(dim, -1).to(torch.float32)
-    blocks = moved.reshape(
-        *moved.shape[:-1], moved.shape[-1] // block_size, block_size
+    values = x.to(torch.float32)
+    blocks = values.reshape(
+        *values.shape[:-1], values.shape[-1] // block_size, block_size
     )  # (..., nb, bs)
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN if the block holds a NaN
     biased = shared_exponent(amax, fmt)
     finite = biased != _E8M0_NAN
     scaled = torch.where(finite, blocks * _inverse_scale(biased), blocks * 0.0)
-    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(moved.shape)
-    scale = biased.squeeze(-1).view(torch.float8_e8m0fnu)
-    return MXTensor(data.movedim(-1, dim).contiguous(), scale.movedim(-1, dim).contiguous())
+    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(values.shape)
+    return data, biased.squeeze(-1)
 
 
 def dequantize_mxfp8(

@@ -10,14 +10,15 @@ bucket's collective. So, only while compiling (``torch.compiler.is_compiling()``
 the same Python directly, without the ~5 us of a custom op's dispatch):
 
 - ``aligndp::scaled_mm`` wraps the Triton GEMMs, ``aligndp::quantize_rc`` the Triton quantise
-  of MXFP8 operands and of 1x128 weights; their fake impls give Inductor shapes and dtypes
+  of weights (1x128 and MXFP8); their fake impls give Inductor shapes and dtypes
   ([Note: operand layout] in triton_common.py).
-- the ``fp8-tensor`` quantise, and the 1x128 quantise of what the graph computes (activations,
+- the ``fp8-tensor`` quantise, and the block quantise of what the graph computes (activations,
   gradients), are plain torch ops (amax, divide, clamp, cast, transpose;
-  :func:`aligndp.lowp.fp8_blocks.quantize_blocks` for the blocks), which Inductor fuses with
-  the operand's producer: no quantise kernel and no Python launch of their own. (Every 1x128
-  quantise through ``quantize_rc`` gave a faster step, but NaN with 2048-token micro-batches:
-  benchmarks/results/session15_2026-12-02.md; DESIGN.md says where that stands.) The
+  :mod:`aligndp.lowp.fp8_blocks` for the blocks), which Inductor fuses with the operand's
+  producer: no quantise kernel and no Python launch of their own. (Every block quantise
+  through ``quantize_rc`` gave a faster 1x128 step but NaN logits at 2 x 1024 tokens: Inductor
+  then emits LayerNorm kernels that store rows and read them back, racing under Triton's
+  coalesce pass, triton-lang/triton#10924; benchmarks/results/session16_2026-12-02.md.) The
   ``fp8-tensor`` GEMM is ``torch._scaled_mm``, an aten op.
 - ``aligndp::fused_wgrad(parts, weight)`` is the whole sink transaction as one opaque op: it
   finds the layer whose bound weight lives at ``weight``'s address, asks the layer's sink for

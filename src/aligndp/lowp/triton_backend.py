@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from aligndp.lowp.backends import WgradBackend, pad_tokens, put_wgrad
-from aligndp.lowp.fp8_blocks import quantize_blocks
+from aligndp.lowp.fp8_blocks import quantize_blocks, quantize_mx_blocks
 from aligndp.lowp.mx_format import padded_length
 from aligndp.lowp.ops import compiling, quantize_rc, scaled_mm
 from aligndp.lowp.recipe import ScaleFormat
@@ -84,15 +84,16 @@ class TritonBackend(WgradBackend):
         """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
         (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for. Into
         ``workspace``'s operands when given (only for operands used up before the next
-        quantise of that shape). Compiled, float32 scales, ``t`` ``produced`` by the graph (an
-        activation or a gradient, not a weight): in torch ops, which Inductor fuses into the
-        kernel producing ``t`` ([Note: compiled MX layers] in ops.py). A weight is a graph
+        quantise of that shape). Compiled, ``t`` ``produced`` by the graph (an activation or a
+        gradient, not a weight): in torch ops, which Inductor fuses into the kernel producing
+        ``t`` ([Note: compiled MX layers] in ops.py). A weight is a graph
         input, with no producer to fuse into: the one-pass kernel reads it once for both
         layouts, where Inductor's row and column reductions would read it twice."""
         t = _pad_2d(t, self.block)
-        if produced and not self._mx and compiling():
+        if produced and compiling():
+            blocks = quantize_mx_blocks if self._mx else quantize_blocks
             return tuple(
-                QuantizedOperand(*quantize_blocks(v, self.block)) if wanted else None
+                QuantizedOperand(*blocks(v, self.block)) if wanted else None
                 for wanted, v in ((rowwise, t), (colwise, t.T))
             )
         pairs = quantize_rc(
