@@ -86,9 +86,9 @@ class TritonBackend(WgradBackend):
         ``workspace``'s operands when given (only for operands used up before the next
         quantise of that shape). Compiled, ``t`` ``produced`` by the graph (an activation or a
         gradient, not a weight): in torch ops, which Inductor fuses into the kernel producing
-        ``t`` ([Note: compiled MX layers] in ops.py). A weight is a graph
-        input, with no producer to fuse into: the one-pass kernel reads it once for both
-        layouts, where Inductor's row and column reductions would read it twice."""
+        ``t`` ([Note: compiled MX layers] in ops.py). A weight is a graph input, with no
+        producer to fuse into: the one-pass kernel reads it once for both layouts, where
+        Inductor's row and column reductions would read it twice."""
         t = _pad_2d(t, self.block)
         if produced and compiling():
             blocks = quantize_mx_blocks if self._mx else quantize_blocks
