@@ -327,9 +327,9 @@ def parse_args(argv=None):
 
 
 def run_all_rows(ctx, group) -> list:
-    """benchmarks/run_all.py's rows of issue 23's goals at ``--mx-preset``, on rank 0 alone
-    (``group``): one pass; on CPU (``--smoke``) only the per-tensor recipe compiled, by
-    aot_eager on every layer, beside bf16 eager (a smoke test of the path, no figure)."""
+    """run_all.py's rows of issue 23's goals at ``--mx-preset``, rank 0 alone (``group``), one
+    pass, 1x128 on every block Linear (its rule converts none at 1b); on CPU (``--smoke``) only
+    fp8-tensor compiled by aot_eager on every layer, beside bf16 eager (a smoke test, no figure)."""
     from run_all_table import FP8_ROWS, Goal, Row
 
     if ctx.args.skip_fp8_step:
@@ -341,7 +341,7 @@ def run_all_rows(ctx, group) -> list:
     if cpu:
         argv += ["--smoke"]
     else:
-        argv[-1] += ",fp8-tensor+compile,fp8+compile"
+        argv[-1] += ",fp8-tensor+compile,fp8:all+compile"
     args = parse_args(argv)
     args.process_group = group
     res = run(args)
@@ -350,7 +350,7 @@ def run_all_rows(ctx, group) -> list:
     for key, variant, against, goal in (
         ("fp8.tensor_compile.vs_torchao", "fp8-tensor+compile", peer, Goal("<=", 1.0, "ratio")),
         ("fp8.tensor_compile.vs_bf16", "fp8-tensor+compile", base, Goal("<=", 0.80, "ratio")),
-        ("fp8.blockwise_compile.vs_bf16", "fp8+compile", base, Goal("<=", 0.85, "ratio")),
+        ("fp8.blockwise_compile.vs_bf16", "fp8:all+compile", base, Goal("<=", 0.85, "ratio")),
     ):
         r = res.get(variant)
         if cpu:  # the path ran (aot_eager, every layer); no figure to report

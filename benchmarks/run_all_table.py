@@ -35,7 +35,8 @@ ROWS: dict[str, str] = {
     "fp8.tensor_compile.vs_torchao": "fp8-tensor + torch.compile step / torchao float8 + "
     "torch.compile step, default layer rules, one GPU",
     "fp8.tensor_compile.vs_bf16": "fp8-tensor + torch.compile step / torch bf16 eager step",
-    "fp8.blockwise_compile.vs_bf16": "fp8 1x128 + torch.compile step / torch bf16 eager step",
+    "fp8.blockwise_compile.vs_bf16": "fp8 1x128 (every block Linear) + torch.compile step / "
+    "torch bf16 eager step",
     "mx.wgrad_mxfp8": "MXFP8 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.wgrad_fp8": "FP8 1x128 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.quantise_fp8": "FP8 1x128 quantise, rows + columns in one pass / device copy",

@@ -372,31 +372,38 @@ def test_blockwise_fp8_micro_batches_on_cpu_stand_in_kernels(
     one_rank, monkeypatch, compile_backend
 ):
     """The 1x128 fp8 backend's Python on CPU (:func:`stand_in_backend`). The unfused reference
-    and the fused run go through the same stand-ins — and compiled, through
-    :func:`aligndp.lowp.fp8_blocks.quantize_blocks`, which the stand-in's quantise calls too —
-    so the sums agree bit for bit (float32 addition commutes: ``view + product`` is
-    ``product + view``)."""
+    and the fused run go through the same stand-ins (compiled, through the custom ops, whose
+    stand-in quantise is :func:`aligndp.lowp.fp8_blocks.quantize_blocks`), so the sums agree
+    bit for bit (float32 addition commutes: ``view + product`` is ``product + view``)."""
     backend = stand_in_backend(monkeypatch, "fp8")
     check_micro_batches(backend, "fp8", "cpu", compile_backend, rel=0.0)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["one_pass_op", "fused_into_graph"])
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp8"])
-def test_compiled_hopper_step_on_stand_in_kernels(monkeypatch, recipe):
+def test_compiled_hopper_step_on_stand_in_kernels(monkeypatch, recipe, fused):
     """:func:`check_compiled_like_eager` for the Hopper backends' Python on CPU
-    (:func:`stand_in_backend`): bit for bit under aot_eager. The 64-wide net pads K to one
-    128 block, so a compiled 1x128 operand's scales are a single row, whose strides must still
-    be row-major: the TMA contract the stand-in GEMM checks (``contiguous()`` alone leaves a
-    one-row transpose with strides (1, 1))."""
-    check_compiled_like_eager(stand_in_backend(monkeypatch, recipe), "cpu", "aot_eager")
+    (:func:`stand_in_backend`): bit for bit under aot_eager, with every quantise through the
+    one-pass op and with the graph's operands quantised in torch ops (the path without the
+    read-back barrier). The 64-wide net pads K to one 128 block, so a compiled 1x128 operand's
+    scales are a single row, whose strides must still be row-major: the TMA contract the
+    stand-in GEMM checks (``contiguous()`` alone leaves a one-row transpose with strides
+    (1, 1))."""
+    backend = stand_in_backend(monkeypatch, recipe)
+    monkeypatch.setattr(backend, "_fuse_into_graph", fused)
+    check_compiled_like_eager(backend, "cpu", "aot_eager")
 
 
+@pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "no_barrier"])
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp8"])
-def test_compiled_graph_quantises_activations_in_torch_ops(one_rank, monkeypatch, recipe):
-    """Compiled, the block quantise (1x128 fp8 or MXFP8) of what the graph produces (``x`` of
-    both layers in forward, ``grad_out`` of both in backward) is torch ops (amax, scale, clamp,
-    cast) that Inductor fuses into the producer; only the two weights, graph inputs, go through
-    the one-pass ``aligndp::quantize_rc`` op. The GEMMs and the sink stay ops: the forward and
-    backward graphs AOT autograd hands its compilers are read."""
+def test_compiled_graph_quantises_through_the_one_pass_op(one_rank, monkeypatch, recipe, barrier):
+    """Compiled, the block quantise (1x128 fp8 or MXFP8) goes through the one-pass
+    ``aligndp::quantize_rc`` op for every operand: both weights, ``x`` of both layers in
+    forward, ``grad_out`` of both in backward; no amax is left in the graph. Without the
+    read-back barrier in Inductor ([Note: read-back barrier]) the graph's own operands are
+    torch ops (amax, scale, clamp, cast) that Inductor fuses into their producer, and only the
+    two weights, graph inputs, take the op. The GEMMs and the sink stay ops either way: the
+    forward and backward graphs AOT autograd hands its compilers are read."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -409,7 +416,10 @@ def test_compiled_graph_quantises_activations_in_torch_ops(one_rank, monkeypatch
         return make_boxed_func(gm.forward)
 
     torch.manual_seed(0)
-    net = convert_to_mxfp8(Net128(), backend=stand_in_backend(monkeypatch, recipe), layers="all")
+    backend = stand_in_backend(monkeypatch, recipe)
+    assert backend._fuse_into_graph is False  # the barrier installs wherever torch runs
+    monkeypatch.setattr(backend, "_fuse_into_graph", not barrier)
+    net = convert_to_mxfp8(Net128(), backend=backend, layers="all")
     model, _ = aligndp.parallelize(net, optimizer="adamw", lr=1e-2, wgrad=recipe)
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
     forward(compiled, torch.randn(MICRO_TOKENS, 128)).backward()
@@ -421,9 +431,10 @@ def test_compiled_graph_quantises_activations_in_torch_ops(one_rank, monkeypatch
     assert len(graphs) == 2 and called.count(ops.fused_wgrad.default) == 2  # up and down
     assert called.count(ops.scaled_mm.default) == 3  # 2 forward GEMMs, down's dgrad (up's
     # input needs no grad), the wgrads inside fused_wgrad
-    assert called.count(ops.quantize_rc.default) == 2
-    # rows and columns of both x in forward, of both grad_out in backward (up's: columns only)
-    assert called.count(torch.ops.aten.amax.default) == 7
+    # with the barrier: 2 weights, 2 x, 2 grad_out (up's: columns only), one op each;
+    # without: the weights alone, and an amax per layout of each x and grad_out
+    assert called.count(ops.quantize_rc.default) == (6 if barrier else 2)
+    assert called.count(torch.ops.aten.amax.default) == (0 if barrier else 7)
 
 
 @NEEDS_CUDA
@@ -478,16 +489,15 @@ def gpt_logits_compiled_and_eager(
 @pytest.mark.parametrize("backend, recipe", [("fp8", "fp8"), ("triton", "mxfp8")])
 def test_compiled_gpt_logits_on_gpu_match_eager(one_rank, backend, recipe):
     """1x128 fp8 and MXFP8 (``triton``), four 1b-width blocks, 2 x 1024 tokens, compiled
-    against eager. With every quantise of an Inductor-computed activation through the opaque
-    op, the third block's LayerNorm kernel raced: it stored its float32 normalised rows and
-    read them back in another thread layout with no barrier between (Triton's coalesce pass,
-    triton-lang/triton#10924; pytorch/pytorch#190519), so it read stale bytes — FP8 bytes the
-    caching allocator had handed out before, NaN logits. Quantised in torch ops, the operand's
-    amax and cast are fused into that kernel and it no longer reads back. The two sides
-    quantise operands differing in their last bits (Inductor's fused LayerNorm and division
-    round differently), so an element may take the neighbouring E4M3 value, 2**-3 apart: a
-    relative error of the logits well under 0.25 after four blocks; the race gave NaN or
-    values near bf16's maximum."""
+    against eager. Every quantise goes through the opaque op, so Inductor's third-block
+    LayerNorm kernel stores its float32 normalised rows and reads them back. Triton's coalesce
+    pass gives the two different thread layouts (triton-lang/triton#10924): without the
+    read-back barrier ([Note: read-back barrier]) the kernel read stale bytes — FP8 bytes the
+    caching allocator had handed out before — and the logits were NaN. The two sides quantise
+    operands differing in their last bits (Inductor's fused LayerNorm rounds differently), so
+    an element may take the neighbouring E4M3 value, 2**-3 apart: a relative error of the
+    logits well under 0.25 after four blocks; the race gave NaN or values near bf16's
+    maximum."""
     eager, compiled = gpt_logits_compiled_and_eager(backend, recipe)
     assert eager.isfinite().all() and compiled.isfinite().all()
     error = rel_error(compiled, eager)

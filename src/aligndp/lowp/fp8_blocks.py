@@ -1,12 +1,13 @@
 """The Hopper kernels' block-scaled operands in torch ops: the ``fp8`` recipe's 1x128 blocks
 (:func:`quantize_blocks`) and MXFP8's 1x32 (:func:`quantize_mx_blocks`).
 
-Compiled graphs quantise the activations and gradients they compute through these, so
-Inductor fuses each operand's block amax, scale and cast into the kernels around the operand's
-producer (the LayerNorm, the GELU) instead of launching the Hopper quantise kernel as an
-opaque op per operand; weights, graph inputs, keep the kernel ([Note: compiled MX layers] in
-ops.py). The CPU stand-in kernels of the tests quantise through them too: one definition of
-each format beside the kernels.
+The CPU stand-in kernels of the tests quantise through them: one definition of each format
+beside the kernels. Compiled graphs use them only where Inductor's kernels could not be given
+the read-back barrier ([Note: read-back barrier] in readback_barrier.py): there the graph's own
+operands (activations, gradients) are quantised with these, and Inductor fuses each block amax,
+scale and cast into the kernels around the operand's producer, which removes the racing
+read-back at the cost of reading the operand again per layout ([Note: compiled MX layers] in
+ops.py).
 """
 
 from __future__ import annotations

@@ -9,17 +9,16 @@ the grad sink: ``grad_target`` decides at run time whether the view is written o
 bucket's collective. So, only while compiling (``torch.compiler.is_compiling()``; eager calls
 the same Python directly, without the ~5 us of a custom op's dispatch):
 
-- ``aligndp::scaled_mm`` wraps the Triton GEMMs, ``aligndp::quantize_rc`` the Triton quantise
-  of weights (1x128 and MXFP8); their fake impls give Inductor shapes and dtypes
-  ([Note: operand layout] in triton_common.py).
-- the ``fp8-tensor`` quantise, and the block quantise of what the graph computes (activations,
-  gradients), are plain torch ops (amax, divide, clamp, cast, transpose;
-  :mod:`aligndp.lowp.fp8_blocks` for the blocks), which Inductor fuses with the operand's
-  producer: no quantise kernel and no Python launch of their own. (Every block quantise
-  through ``quantize_rc`` gave a faster 1x128 step but NaN logits at 2 x 1024 tokens: Inductor
-  then emits LayerNorm kernels that store rows and read them back, racing under Triton's
-  coalesce pass, triton-lang/triton#10924; benchmarks/results/session16_2026-12-02.md.) The
-  ``fp8-tensor`` GEMM is ``torch._scaled_mm``, an aten op.
+- ``aligndp::scaled_mm`` wraps the Triton GEMMs, ``aligndp::quantize_rc`` the one-pass Triton
+  block quantise (1x128 and MXFP8) of every operand; their fake impls give Inductor shapes and
+  dtypes ([Note: operand layout] in triton_common.py). Inductor fused block quantises more
+  slowly than the kernel (it cannot fold a 1x128 block reduction into the producer's row
+  reduction), and the kernel needs the read-back barrier that the Hopper backends install
+  ([Note: read-back barrier] in readback_barrier.py); without it they quantise what the graph
+  computes with :mod:`aligndp.lowp.fp8_blocks` instead.
+- the ``fp8-tensor`` quantise is plain torch ops (amax, divide, clamp, cast, transpose), which
+  Inductor fuses with the operand's producer: no quantise kernel and no Python launch of its
+  own. Its GEMM is ``torch._scaled_mm``, an aten op.
 - ``aligndp::fused_wgrad(parts, weight)`` is the whole sink transaction as one opaque op: it
   finds the layer whose bound weight lives at ``weight``'s address, asks the layer's sink for
   the target, has the backend write or add the wgrad from ``parts`` (the backward's quantised

@@ -23,6 +23,7 @@ from aligndp.lowp.backends import WgradBackend, pad_tokens, put_wgrad
 from aligndp.lowp.fp8_blocks import quantize_blocks, quantize_mx_blocks
 from aligndp.lowp.mx_format import padded_length
 from aligndp.lowp.ops import compiling, quantize_rc, scaled_mm
+from aligndp.lowp.readback_barrier import install as install_readback_barrier
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
 from aligndp.plan.fused import GradTarget
@@ -67,6 +68,10 @@ class TritonBackend(WgradBackend):
         the dgrad and the wgrad (right after, in the same backward) use them up before the
         next layer's backward writes them again; stream order does the rest. Never ``x`` or
         the weight, which outlive their call."""
+        self._fuse_into_graph = not install_readback_barrier()
+        """Compiled, quantise graph-computed operands in torch ops (Inductor fuses them into
+        their producer) rather than through the one-pass kernel: only where Inductor's kernels
+        could not be given the read-back barrier ([Note: read-back barrier])."""
 
     @property
     def _mx(self) -> bool:
@@ -84,13 +89,12 @@ class TritonBackend(WgradBackend):
         """``t`` (rows, cols), padded to the block, as K-major operands in one pass: its rows
         (``rowwise``) and the rows of ``t.T`` (``colwise``); None for one not asked for. Into
         ``workspace``'s operands when given (only for operands used up before the next
-        quantise of that shape). Compiled, ``t`` ``produced`` by the graph (an activation or a
-        gradient, not a weight): in torch ops, which Inductor fuses into the kernel producing
-        ``t`` ([Note: compiled MX layers] in ops.py). A weight is a graph input, with no
-        producer to fuse into: the one-pass kernel reads it once for both layouts, where
-        Inductor's row and column reductions would read it twice."""
+        quantise of that shape). Compiled, through the ``aligndp::quantize_rc`` op, which reads
+        ``t`` once for both layouts; only without the read-back barrier is a ``t``
+        ``produced`` by the graph (an activation or a gradient, not a weight) quantised in torch
+        ops that Inductor fuses into its producer ([Note: read-back barrier])."""
         t = _pad_2d(t, self.block)
-        if produced and compiling():
+        if produced and self._fuse_into_graph and compiling():
             blocks = quantize_mx_blocks if self._mx else quantize_blocks
             return tuple(
                 QuantizedOperand(*blocks(v, self.block)) if wanted else None
