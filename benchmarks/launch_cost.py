@@ -1,5 +1,6 @@
-"""Host microseconds per eager FP8 call, cached launches ([Note: cheap launches] in
-aligndp/lowp/triton_launch.py) vs every launch through ``kernel[grid]``, on one GPU.
+"""Host microseconds per FP8 call, eager and through the custom ops a compiled graph calls,
+cached launches ([Note: cheap launches] in aligndp/lowp/triton_launch.py) vs every launch
+through ``kernel[grid]``, on one GPU.
 
 Host time is the loop's wall time without a synchronize inside it; the tensors are small
 (768 x 768 by default), so the GPU keeps up and the loop measures the host alone. Each row is
@@ -15,6 +16,7 @@ import time
 import torch
 
 import aligndp.lowp.fp8_tensor_kernels as fk
+import aligndp.lowp.ops  # noqa: F401  (registers torch.ops.aligndp)
 from aligndp.lowp.recipe import ScaleFormat
 from aligndp.lowp.recipe_fp8_tensor import quantize_tensor
 from aligndp.lowp.triton_kernels import quantize_rows_and_columns, scaled_gemm
@@ -59,6 +61,13 @@ def main() -> None:
         ),
         "1x128 GEMM into main_grad": lambda: scaled_gemm(
             a, a, out, block=128, scale_format=ScaleFormat.FP32, accumulate=True
+        ),
+        # what a compiled graph calls ([Note: compiled MX layers] in aligndp/lowp/ops.py)
+        "compiled: 1x128 quantise op, rows and columns": lambda: torch.ops.aligndp.quantize_rc(
+            x, 128, False, True, True
+        ),
+        "compiled: 1x128 GEMM op, bf16 out": lambda: torch.ops.aligndp.scaled_mm(
+            a.data, a.scale_t, a.data, a.scale_t, 128, False, torch.bfloat16, None
         ),
     }
     print(f"host us per call, {n} x {n} bf16, {torch.cuda.get_device_name()}")

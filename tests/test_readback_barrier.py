@@ -84,6 +84,21 @@ def test_install_wraps_inductors_load_once():
     assert install() is True and TritonKernel.load is wrapped  # not wrapped twice
 
 
+def test_install_reports_an_inductor_it_cannot_wrap(monkeypatch):
+    """An Inductor without the code the wrapper reads: no barrier, and install says so (the
+    backends then quantise compiled activations in torch ops)."""
+    from torch._inductor.codegen import common
+    from torch._inductor.codegen.triton import TritonKernel
+
+    from aligndp.lowp import readback_barrier
+
+    monkeypatch.setattr(TritonKernel, "load", None)
+    assert readback_barrier._install() is False
+    monkeypatch.undo()
+    monkeypatch.setattr(common.IndentedBuffer, "__init__", lambda self: None)  # no _lines
+    assert readback_barrier._install() is False
+
+
 def read_back(x):
     y = x * 2 + 1  # stored (an output) in the reduction's first loop...
     return y, y / y.sum(-1, keepdim=True)  # ...and read back in the second

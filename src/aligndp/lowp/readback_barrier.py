@@ -89,10 +89,12 @@ def _install() -> bool:
     try:
         from torch._inductor.codegen.common import DeferredLine, IndentedBuffer
         from torch._inductor.codegen.triton import TritonKernel
-    except ImportError:
+
+        lines_kept = isinstance(IndentedBuffer()._lines, list)
+    except (ImportError, AttributeError, TypeError):  # another Inductor: the fallback path
         return False
     load = getattr(TritonKernel, "load", None)
-    if load is None or not hasattr(IndentedBuffer(), "_lines"):
+    if load is None or not lines_kept:
         return False
     if not getattr(load, "adds_readback_barrier", False):
         TritonKernel.load = with_barrier(load, DeferredLine)
