@@ -44,9 +44,6 @@ __all__ = ["install", "with_barrier"]
 
 BARRIER = "tl.debug_barrier()"
 
-_INSTALLED: list[bool] = []
-"""The outcome of the first :func:`install` (empty until then)."""
-
 
 def _stored_here(kernel, name: str) -> bool:
     cse = kernel.cse
@@ -76,13 +73,12 @@ def with_barrier(load, deferred_line):
     return wrapped
 
 
+@functools.cache
 def install() -> bool:
     """Wrap Inductor's ``TritonKernel.load`` ([Note: read-back barrier]), once per process;
     whether the barrier is in place (False where Inductor's code differs from what the wrapper
     reads)."""
-    if not _INSTALLED:
-        _INSTALLED.append(_install())
-    return _INSTALLED[0]
+    return _install()
 
 
 def _install() -> bool:
