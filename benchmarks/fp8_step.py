@@ -326,55 +326,6 @@ def parse_args(argv=None):
     return args
 
 
-def run_all_rows(ctx, group) -> list:
-    """run_all.py's rows of issue 23's goals at ``--mx-preset``, rank 0 alone (``group``), one
-    pass, 1x128 on every block Linear (its rule converts none at 1b); on CPU (``--smoke``) only
-    fp8-tensor compiled by aot_eager on every layer, beside bf16 eager (a smoke test, no figure)."""
-    from run_all_table import FP8_ROWS, Goal, Row
-
-    if ctx.args.skip_fp8_step:
-        return [Row(key, skipped="--skip-fp8-step") for key in FP8_ROWS]
-    cpu = ctx.device.type == "cpu"
-    argv = ["--preset", ctx.args.mx_preset, "--batch", str(ctx.args.batch), "--passes", "1"]
-    argv += ["--rounds", str(ctx.args.mx_rounds), "--steps", str(ctx.args.mx_steps)]
-    argv += ["--variants", "bf16,fp8-tensor+compile" if cpu else "bf16,torchao+compile"]
-    if cpu:
-        argv += ["--smoke"]
-    else:
-        argv[-1] += ",fp8-tensor+compile,fp8:all+compile"
-    args = parse_args(argv)
-    args.process_group = group
-    res = run(args)
-    base, peer = res["bf16"], res.get("torchao+compile")
-    rows = []
-    for key, variant, against, goal in (
-        ("fp8.tensor_compile.vs_torchao", "fp8-tensor+compile", peer, Goal("<=", 1.0, "ratio")),
-        ("fp8.tensor_compile.vs_bf16", "fp8-tensor+compile", base, Goal("<=", 0.80, "ratio")),
-        ("fp8.blockwise_compile.vs_bf16", "fp8:all+compile", base, Goal("<=", 0.85, "ratio")),
-    ):
-        r = res.get(variant)
-        if cpu:  # the path ran (aot_eager, every layer); no figure to report
-            ran = f"smoke: {variant} {r.best:.1f} ms on CPU" if r is not None and r.ms else ""
-            rows.append(Row(key, skipped=f"needs CUDA; {ran or (r.note if r else variant)}"))
-            continue
-        if r is None or not r.ms or against is None or not against.ms:
-            why = (r.note if r else "") or (against.note if against else "") or "not run"
-            rows.append(Row(key, skipped=why))
-            continue
-        rows.append(
-            Row(
-                key,
-                r.best,
-                "ms",
-                against.best,
-                "peer step, ms",
-                goal,
-                note=f"{args.preset}, FP8 layers {r.converted}, loss {loss_cell(r)}",
-            )
-        )
-    return rows
-
-
 def main(argv=None) -> dict[str, Result]:
     args = parse_args(argv)
     if args.smoke:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from _bench import Timing, build_gpt
-from fp8_step import run_all_rows as fp8_step_rows
+from fp8_step_rows import run_all_rows as fp8_step_rows
 from run_all_table import FP8_ROWS, ROWS, Goal, Row, matches
 
 from aligndp.models.gpt import PRESETS

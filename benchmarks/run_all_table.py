@@ -37,6 +37,10 @@ ROWS: dict[str, str] = {
     "fp8.tensor_compile.vs_bf16": "fp8-tensor + torch.compile step / torch bf16 eager step",
     "fp8.blockwise_compile.vs_bf16": "fp8 1x128 (every block Linear) + torch.compile step / "
     "torch bf16 eager step",
+    "fp8.small_compile.vs_bf16_compile": "gpt2-small, every recipe under its default layer "
+    "rule + torch.compile step / torch bf16 + torch.compile step",
+    "fp8.small_eager.vs_bf16": "gpt2-small, every recipe under its default layer rule, eager "
+    "step / torch bf16 eager step",
     "mx.wgrad_mxfp8": "MXFP8 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.wgrad_fp8": "FP8 1x128 wgrad GEMM accumulating in place into fp32 main_grad",
     "mx.quantise_fp8": "FP8 1x128 quantise, rows + columns in one pass / device copy",

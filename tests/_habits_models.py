@@ -198,9 +198,8 @@ def shared_path(name: str) -> Iterator[str]:
             shutil.rmtree(obj[0], ignore_errors=True)
 
 
-class NormalisedSGD(torch.optim.Optimizer):
-    """Test-only, not elementwise: each tensor moves by ``lr * grad / ||grad||`` (a per-tensor
-    norm)."""
+class _PerParamSGD(torch.optim.Optimizer):
+    """Test-only optimizers (not torch's own): :meth:`update` each param with a gradient."""
 
     def __init__(self, params, lr: float = 1e-2) -> None:
         super().__init__(params, {"lr": lr})
@@ -210,7 +209,25 @@ class NormalisedSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
+                    self.update(p, group["lr"])
+
+    def update(self, p: torch.Tensor, lr: float) -> None:
+        raise NotImplementedError
+
+
+class NormalisedSGD(_PerParamSGD):
+    """Not elementwise: each tensor moves by ``lr * grad / ||grad||`` (a per-tensor norm)."""
+
+    def update(self, p: torch.Tensor, lr: float) -> None:
+        p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-lr)
+
+
+class RebindingSGD(_PerParamSGD):
+    """Old-style SGD that rebinds ``p.data`` to a new tensor each step instead of writing the
+    param in place."""
+
+    def update(self, p: torch.Tensor, lr: float) -> None:
+        p.data = p.data - lr * p.grad
 
 
 class _Late:

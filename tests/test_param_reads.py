@@ -25,6 +25,7 @@ from tests._dist import case, make_tests
 from tests._habits_models import (
     REL,
     LateGathers,
+    RebindingSGD,
     TorchDDP,
     backward_on,
     newton_schulz_fp32,
@@ -224,6 +225,65 @@ def case_deepcopy_of_a_pending_param_is_a_plain_param(rank, ws):
         assert torch.equal(p.detach() * 1, q.detach()), f"{n}: the copy holds stale weights"
         assert not type(p).__name__.startswith("Pending"), f"{n}: {type(p).__name__}"
     assert torch.equal(clone(batch(1)[0]), plain.module(batch(1)[0])), "the copy's forward"
+
+
+def classes_inside(opt) -> list[set[type]]:
+    """The param classes each inner optimizer's step finds (one set per inner step)."""
+    seen: list[set[type]] = []
+    for inner in opt.inner:
+        inner.register_step_pre_hook(
+            lambda o, *_: seen.append({type(p) for g in o.param_groups for p in g["params"]})
+        )
+    return seen
+
+
+@case(2)
+def case_replicated_step_sees_plain_params_and_gives_the_class_back(rank, ws):
+    """[Note: plain class while stepping]: torch's own optimizers over replicated params step
+    them as plain ``nn.Parameter`` and give each its ``WrappedParameter`` class back after the
+    step, also when the step raises; training matches torch DDP. An optimizer that is not
+    torch's keeps the class, so ``p.data = new`` inside it still writes the param's own storage
+    and moves its version."""
+    for mode in ("none", "muon none"):
+        with newton_schulz_fp32(mode):
+            model, opt = wrap(make_net(), mode)
+            ref = TorchDDP(make_net(), mode)
+            seen = classes_inside(opt)
+            for step in range(STEPS):
+                train_step_both(model, opt, ref, step, rank, ws, f"{mode} step {step}")
+        assert seen and all(found == {nn.Parameter} for found in seen), (mode, seen)
+        for n, p in model.module.named_parameters():
+            assert type(p) is WrappedParameter, f"{mode}: {n} is {type(p).__name__} after step"
+            assert torch.equal(p.main_grad, torch.zeros_like(p)), f"{n}: main_grad after zero_grad"
+
+    def fail(*_):
+        raise RuntimeError("a hook inside the step failed")
+
+    model, opt = wrap(make_net(), "none")
+    backward_on(model, 0, rank, ws)
+    opt.inner[0].register_step_pre_hook(fail)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "inside the step failed" in str(e)
+    else:
+        raise AssertionError("the failing hook did not raise")
+    for n, p in model.module.named_parameters():
+        assert type(p) is WrappedParameter, f"{n} is {type(p).__name__} after a failed step"
+
+    model, opt = wrap(make_net(), "none", optimizer=RebindingSGD)
+    ref = TorchDDP(make_net(), "none", optimizer=RebindingSGD)
+    seen = classes_inside(opt)
+    params = dict(model.module.named_parameters())
+    before = {n: (p.data_ptr(), p._version) for n, p in params.items()}
+    for step in range(STEPS):
+        train_step_both(model, opt, ref, step, rank, ws, f"RebindingSGD step {step}")
+    assert seen and all(found == {WrappedParameter} for found in seen), seen
+    for n, p in params.items():
+        ptr, version = before[n]
+        assert p.data_ptr() == ptr, f"{n}: p.data = new inside the step rebound its storage"
+        # what the quantised-weight caches key on ([Note: weights once per step])
+        assert p._version >= version + STEPS, f"{n}: p.data = new left _version {p._version}"
 
 
 make_tests(globals())

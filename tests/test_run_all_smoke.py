@@ -41,9 +41,11 @@ EXPECTED = [
     "fp8.tensor_compile.vs_torchao",
     "fp8.tensor_compile.vs_bf16",
     "fp8.blockwise_compile.vs_bf16",
+    "fp8.small_compile.vs_bf16_compile",
+    "fp8.small_eager.vs_bf16",
 ]
 GPU_ONLY = [
-    *EXPECTED[-3:],
+    *EXPECTED[-5:],
     "compile.vs_torch_ddp",
     "compile.blocks_vs_torch_ddp",
     "compile.hooks_ms",

@@ -28,6 +28,7 @@ from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.step_state import BucketRef, ReducedGrads
+from aligndp.runtime.wrapped_param import as_parameters, steps_in_place
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -123,6 +124,7 @@ class ReplicatedPart(OptimizerPart):
         self.elementwise_state = elementwise_state
         self.params = [p for g in inner.param_groups for p in g["params"]]
         self.names = [model.param_names[p] for p in self.params]
+        self._plain = steps_in_place(inner)
 
     def prepare_grads(self, grads: ReducedGrads) -> None:
         pass  # steps from param.grad: the reduced view, as published, maybe edited by the user
@@ -141,7 +143,12 @@ class ReplicatedPart(OptimizerPart):
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
 
     def step_owned(self, bucket_stepped: BucketStepped) -> None:
-        self.inner[0].step()  # replicated buffers hold no params to gather
+        # replicated buffers hold no params to gather
+        if self._plain:  # [Note: plain class while stepping] in aligndp/runtime/wrapped_param.py
+            with as_parameters(self.params):
+                self.inner[0].step()
+        else:
+            self.inner[0].step()
 
     def owned_range(self, name: str) -> tuple[int, int]:
         return 0, self.params[self.names.index(name)].numel()

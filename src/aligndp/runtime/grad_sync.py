@@ -77,6 +77,8 @@ class GradReducer(Reduction):
         self._k = {p: k for k, p in enumerate(self.params)}
         self._slots = list(index.slots.values())
         self._views = [s.view for s in self._slots]
+        self._shown = [s.sharded_grad for s in self._slots]  # param.grad where sharded
+        self._members = [[s.index for s in g.slots] for g in self.groups]  # by group position
         by_ref = {g.ref: g for g in self.groups}
         self._group_of = [by_ref[s.ref] for s in self._slots]
         self._eager_zero = [p in eager_zero for p in self.params]
@@ -90,6 +92,7 @@ class GradReducer(Reduction):
         self._armed = [False] * n  # param.grad is its view, set by us; never a fused weight's:
         self._armable = [d and p not in fused for d, p in zip(self._direct, self.params)]
         self._stale = [not z for z in self._eager_zero]  # [Note: lazy zeroing]
+        self._stale_at_zero = tuple(self._stale)  # what zero_grad makes it
         self._used = [False] * n  # had a gradient on this rank since the reduction
         self._published: set[int] = set()  # param.grad set by us ([Note: step states])
         self._fired = [0] * n  # [Note: bucket readiness]: arrivals this round
@@ -363,11 +366,8 @@ class GradReducer(Reduction):
     def zero_grad_buffer(self) -> None:
         """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
         every ``param.grad`` is dropped."""
-        self._stale[:] = [not z for z in self._eager_zero]
+        self._stale[:] = self._stale_at_zero
         self.landing.zero_buffers(self)
-        for k, zero in enumerate(self._eager_zero):
-            if zero and not self._direct[k]:
-                self._views[k].zero_()
         for p in self.params:
             p.grad = None
         self._armed[:] = [False] * len(self.params)

@@ -48,11 +48,11 @@ class Reduction:
         assert group.position == self._next_launch, "buckets launch in index order"
         self._flush(group)  # [Note: one copy per bucket] in grad_landing.py
         stale, used, eager_zero = self._stale, self._used, self._eager_zero
-        for slot in group.slots:
-            k = slot.index
-            if not stale[k] and not eager_zero[k]:
+        for k in self._members[group.position]:
+            if stale[k]:
+                self._take(k)
+            elif not eager_zero[k]:
                 used[k] = True  # written since zero_grad: by autograd, a fused kernel or the user
-            self._take(k)
         grad = group.grad()
         if self.config.check_finite:
             self._check_finite(group, grad)
@@ -122,15 +122,17 @@ class Reduction:
         self._reset_round()
         self.epoch += 1
         self.state = StepState.REDUCED
-        armed, adopted = self._armed, self.landing.adopted
-        for k in range(len(self.params)) if used is self.params else map(self._k.get, used):
-            p, slot = self.params[k], self._slots[k]
-            if slot.sharded_grad is not None:
-                p.grad = slot.sharded_grad
+        armed, adopted, params, views = self._armed, self.landing.adopted, self.params, self._views
+        ks = range(len(params)) if used is params else [self._k[p] for p in used]
+        for k in ks:  # [Note: one rank's host time] in grad_landing.py
+            shown = self._shown[k]
+            if shown is not None:
+                params[k].grad = shown
                 armed[k] = False
-            elif p.grad is not slot.view and adopted[k] is None:
-                p.grad = slot.view if slot.view.dtype == p.dtype else slot.view.to(p.dtype)
-            self._published.add(k)
+            elif adopted[k] is None and params[k].grad is not views[k]:
+                p, view = params[k], views[k]
+                p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+        self._published.update(ks)
         if len(used) < len(self.params):  # an armed param without a gradient shows None
             for k, p in enumerate(self.params):
                 if armed[k] and k not in self._published:
