@@ -33,16 +33,16 @@ import torch.nn as nn
 
 __all__ = [
     "ParamOwner",
-    "as_parameters",
-    "steps_in_place",
     "PendingWaiter",
     "WrappedParameter",
+    "as_parameters",
     "attach_to_module",
     "binding",
     "claim_params",
     "mark_pending",
     "owner_of",
     "settle",
+    "steps_in_place",
 ]
 
 
@@ -235,11 +235,13 @@ def as_parameters(params: Iterable[nn.Parameter]) -> Iterator[None]:
     argument lists): on one H200 it cost about 0.25 ms more host time per step over
     ``WrappedParameter``s than over plain params, in a step that is host-bound under
     ``torch.compile`` (about 20 ms). So a replicated part steps its params as plain
-    ``nn.Parameter``: two class assignments per param (about 0.26 us for the pair on a CI
-    core) instead of the subclass's toll on every read. Only torch's own optimizers do
+    ``nn.Parameter``: two class assignments per param (about 0.26 us for the pair on a 2-core
+    CPU) instead of the subclass's toll on every read. Only torch's own optimizers do
     (:func:`steps_in_place`): one that rebinds ``param.data = new`` would, without the
-    class's setter, cut the param off from its buffer. Under ``torch.compile`` (Dynamo cannot
-    trace a class assignment) the params keep their class. An inner-optimizer hook reads no
+    class's setter, give the param new storage without moving its version, which the
+    quantised-weight caches key on ([Note: weights once per step] in aligndp/lowp/linear.py).
+    Under ``torch.compile`` (Dynamo cannot trace a class assignment) the params keep their
+    class. An inner-optimizer hook reads no
     ``main_grad`` while inside (the property is the class's); the composite's own hooks run
     outside.
     """
