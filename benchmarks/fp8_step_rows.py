@@ -16,14 +16,9 @@ def run_all_rows(ctx, group) -> list:
     if ctx.args.skip_fp8_step:
         return [Row(key, skipped="--skip-fp8-step") for key in FP8_ROWS]
     cpu = ctx.device.type == "cpu"
-    argv = ["--preset", ctx.args.mx_preset, "--batch", str(ctx.args.batch), "--passes", "1"]
-    argv += ["--rounds", str(ctx.args.mx_rounds), "--steps", str(ctx.args.mx_steps)]
-    argv += ["--variants", "bf16,fp8-tensor+compile" if cpu else "bf16,torchao+compile"]
-    if cpu:
-        argv += ["--smoke"]
-    else:
-        argv[-1] += ",fp8-tensor+compile,fp8:all+compile"
-    args = parse_args(argv)
+    gpu = "bf16,torchao+compile,fp8-tensor+compile,fp8:all+compile"
+    variants = ["--variants", "bf16,fp8-tensor+compile", "--smoke"] if cpu else ["--variants", gpu]
+    args = parse_args(_argv(ctx, ctx.args.mx_preset) + variants)
     args.process_group = group
     res = run(args)
     base, peer = res["bf16"], res.get("torchao+compile")
@@ -41,6 +36,13 @@ def run_all_rows(ctx, group) -> list:
         note = f"{args.preset}, FP8 layers {r.converted}, loss {loss_cell(r)}" if r else ""
         rows.append(_row(key, r, against, goal, note))
     return rows + small_rows(ctx, group)
+
+
+def _argv(ctx, preset: str) -> list[str]:
+    """fp8_step.py's arguments for run_all: ``preset`` at run_all's batch, rounds and steps,
+    one pass."""
+    argv = ["--preset", preset, "--batch", str(ctx.args.batch), "--passes", "1"]
+    return argv + ["--rounds", str(ctx.args.mx_rounds), "--steps", str(ctx.args.mx_steps)]
 
 
 def _row(key: str, r, against, goal, note: str, why: str = ""):
@@ -67,17 +69,17 @@ def small_rows(ctx, group) -> list:
     if ctx.device.type == "cpu":
         return [Row(k, skipped="needs CUDA (gpt2-small's host-bound step)") for k in SMALL_ROWS]
     recipes = ",".join(f"{r}{c}" for r in RECIPES for c in ("", "+compile"))
-    argv = ["--preset", "gpt2-small", "--batch", str(ctx.args.batch), "--passes", "1"]
-    argv += ["--rounds", str(ctx.args.mx_rounds), "--steps", str(ctx.args.mx_steps)]
-    args = parse_args(argv + ["--variants", f"bf16,bf16+compile,aligndp,aligndp+compile,{recipes}"])
+    variants = f"bf16,bf16+compile,aligndp,aligndp+compile,{recipes}"
+    args = parse_args(_argv(ctx, "gpt2-small") + ["--variants", variants])
     args.process_group = group
     res = run(args)
     rows = []
     for key, suffix, base in zip(SMALL_ROWS, ("+compile", ""), (res["bf16+compile"], res["bf16"])):
-        timed = [res[f"{r}{suffix}"] for r in RECIPES if res[f"{r}{suffix}"].ms]
+        each = [res[f"{name}{suffix}"] for name in RECIPES]
+        timed = [t for t in each if t.ms]
         r = max(timed, key=lambda t: t.best) if timed else res[f"aligndp{suffix}"]
         which = "slowest converting recipe" if timed else "no recipe converts a layer: aligndp"
-        failed = [res[f"{v}{suffix}"].note for v in RECIPES if "FAILED" in res[f"{v}{suffix}"].note]
+        failed = [t.note for t in each if "FAILED" in t.note]
         goal = Goal("<=", 1.0, "ratio")
         rows.append(_row(key, r, base, goal, f"gpt2-small, {which}", (failed or [""])[0]))
     return rows
