@@ -391,11 +391,10 @@ def test_gpt2_small_shows_the_buckets_the_run_builds(capsys, flags, kwargs):
 
 
 def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
-    """1b on Hopper (the default --capability 9.0): fp8-tensor converts the 64 block Linears
-    (in and out >= 2048, where the H200 1b step measured a gain) and fp8 1x128 nothing
-    (no gain measured up to 8192 x 8192); MXFP8 on sm_100 converts qkv and fc (torchao's
-    rowwise rule keeps out <= 2048: proj, out); no recipe converts anything on a CPU, and
-    says why once."""
+    """1b on Hopper (the default --capability 9.0): fp8-tensor and fp8 1x128 convert the 64
+    block Linears (in and out >= 2048, where the H200 1b step measured a gain); MXFP8 on
+    sm_100 converts qkv and fc (torchao's rowwise rule keeps out <= 2048: proj, out); no
+    recipe converts anything on a CPU, and says why once."""
     from aligndp.lowp import layer_rule
 
     monkeypatch.setattr(layer_rule, "_WARNED", set())  # warned once per process: not yet here
@@ -403,7 +402,7 @@ def test_reports_which_layers_the_wgrad_recipe_converts(capsys, monkeypatch):
     assert code == 0
     assert "wgrad fp8-tensor: converts 64 of 65 Linear layers (blocks.*.qkv, blocks.*.proj, " in out
     _, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "fp8")
-    assert "wgrad fp8: converts 0 of 65 Linear layers (none); keeps " in out
+    assert "wgrad fp8: converts 64 of 65 Linear layers (blocks.*.qkv, blocks.*.proj, " in out
     _, out, _ = layout_main(capsys, "--preset", "1b", "--wgrad", "mxfp8", "--capability", "10.0")
     assert "wgrad mxfp8: converts 32 of 65" in out
     with pytest.warns(UserWarning, match="no fast path on a CPU"):

@@ -43,13 +43,13 @@ def fresh_warnings(monkeypatch):
 def test_gpt_presets_by_hand():
     """gpt2-small (dim 768): qkv 768->2304, proj 768->768, fc 768->3072, out 3072->768.
     1b (dim 2048): qkv 2048->6144, proj 2048->2048, fc 2048->8192, out 8192->2048.
-    Per-tensor converts in >= 2048 and out >= 2048: all four of 1b's. 1x128 skips up to
-    8192 x 8192: nothing in either. MXFP8 (torchao rowwise, on Blackwell) skips out <= 2048
-    and in <= 2048 with out <= 4096: 1b's qkv and fc."""
+    Per-tensor and 1x128 convert in >= 2048 and out >= 2048: all four of 1b's. MXFP8
+    (torchao rowwise, on Blackwell) skips out <= 2048 and in <= 2048 with out <= 4096: 1b's
+    qkv and fc."""
     assert converted("gpt2-small", "fp8-tensor", HOPPER) == set()
     assert converted("gpt2-small", "fp8", HOPPER) == set()
     assert converted("1b", "fp8-tensor", HOPPER) == {"qkv", "proj", "fc", "out"}
-    assert converted("1b", "fp8", HOPPER) == set()
+    assert converted("1b", "fp8", HOPPER) == {"qkv", "proj", "fc", "out"}
     assert converted("1b", "fp8-tensor", ADA) == {"qkv", "proj", "fc", "out"}
     with pytest.warns(UserWarning, match="no fast path on sm_80"):  # no FP8 tensor cores
         assert converted("1b", "fp8-tensor", AMPERE) == set()
@@ -65,9 +65,10 @@ def test_gpt_presets_by_hand():
         ("fp8-tensor", 2048, 2048, True),  # 1b's proj, the smallest shape measured to pay
         ("fp8-tensor", 2032, 8192, False),  # in below 2048
         ("fp8-tensor", 8192, 2032, False),  # out below 2048
-        ("fp8", 8192, 8192, False),  # inside the measured box
-        ("fp8", 8192, 8224, True),  # outside it (8224: a multiple of 32), and of rowwise
-        ("fp8", 8224, 2048, False),  # outside the box but rowwise skips out <= 2048
+        ("fp8", 2048, 2048, True),  # the same box: 1b's proj
+        ("fp8", 2016, 8192, False),  # in below 2048 (2016: a multiple of 32)
+        ("fp8", 8224, 2016, False),  # out below 2048
+        ("fp8", 8224, 2048, True),  # torchao's rowwise rule would skip out <= 2048
     ],
 )
 def test_rule_boundaries_by_hand(recipe, in_features, out_features, converts):

@@ -325,6 +325,65 @@ def test_fp8_block_gemm_without_promotion_adds_the_unscaled_product():
     assert rel_err(scaled, start.double() + 2.0 * (a.double() @ b.double().T)) < 5e-4
 
 
+def test_gluon_gemm_refuses_strided_operands_and_the_triton_one_reads_them():
+    """[Note: descriptors on the device]: the Gluon kernel's descriptors take each operand's
+    rows as packed, so an operand whose rows are further apart (a column slice) is refused with
+    the fix rather than misread; the plain-Triton kernel, whose host descriptors carry the real
+    strides, computes it."""
+    from aligndp.lowp.triton_kernels import QuantizedOperand, scaled_gemm
+
+    g = torch.Generator(device=DEV).manual_seed(6)
+    M, N, K = 256, 128, 256
+    wide = torch.randn(M, 2 * K, generator=g, device=DEV).to(torch.float8_e4m3fn)
+    a = QuantizedOperand(wide[:, :K], torch.ones(K // 128, M, device=DEV))
+    b = QuantizedOperand(
+        torch.randn(N, K, generator=g, device=DEV).to(torch.float8_e4m3fn),
+        torch.ones(K // 128, N, device=DEV),
+    )
+    out = torch.zeros(M, N, device=DEV)
+    kw = dict(block=128, scale_format=ScaleFormat.FP32)
+    with pytest.raises(ValueError, match="contiguous"):
+        scaled_gemm(a, b, out, impl="gluon", **kw)
+    scaled_gemm(a, b, out, impl="triton", **kw)
+    exact = a.data.double() @ b.data.double().T
+    assert rel_err(out, exact) < 5e-4
+
+
+def test_gluon_gemm_scratch_comes_from_the_threads_allocator():
+    """The device descriptors' scratch: a thread with no Triton allocator (autograd's backward
+    thread) gets torch's on its first launch; one the user set is the one asked."""
+    import threading
+
+    import triton
+
+    from aligndp.lowp import gluon_kernels
+
+    M = N = K = 256
+    a = torch.randn(M, K, device=DEV).to(torch.float8_e4m3fn)
+    ones = torch.ones(K // 128, M, device=DEV)
+    expected = a.double() @ a.double().T
+    asked, results = [], {}
+
+    def users(size, alignment, stream):
+        asked.append(size)
+        return torch.empty(size, dtype=torch.int8, device=DEV)
+
+    def run(name, allocator):
+        if allocator is not None:
+            triton.set_allocator(allocator)
+        out = torch.zeros(M, N, device=DEV)
+        gluon_kernels.fp8_block_gemm(a, ones, a, ones, out, accumulate=False)
+        results[name] = out
+
+    for name, allocator in (("fresh thread", None), ("user's allocator", users)):
+        thread = threading.Thread(target=run, args=(name, allocator))
+        thread.start()
+        thread.join()
+        assert name in results, f"{name}: the launch raised"
+        assert rel_err(results[name], expected) < 5e-4, name
+    assert len(asked) == 1 and asked[0] > 0
+
+
 @pytest.mark.parametrize("backend", ["triton", "fp8", "fp8-tensor"])
 def test_cached_weight_on_gpu_equals_a_quantise_per_forward(backend):
     """[Note: weights once per step] on the GPU backends: micro-batches with the weight cached

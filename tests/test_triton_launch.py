@@ -5,7 +5,9 @@ cached launch and ``kernel[grid]`` for every kernel that launches through it."""
 
 from __future__ import annotations
 
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -270,6 +272,40 @@ def test_defaults_fill_missing_arguments():
     fn.log.clear()
     launch[(1,)](ALIGNED, 32, 5)  # one argument too many: Triton's error, not ours
     assert kinds(fn) == ["triton"]
+
+
+class Layout:
+    """A constexpr object keyed by identity."""
+
+
+def test_a_cached_kernel_keeps_the_constexpr_objects_its_key_names_by_identity():
+    """The key names a constexpr object (a ``tl.dtype``, a Gluon layout) by ``id``: the cache
+    keeps the object alive, so no later object can take its id and launch a kernel compiled
+    for another."""
+    fn = FakeJit(["x", "LAYOUT"], constexpr=("LAYOUT",))
+    env = FakeEnv()
+    launch = CheapLauncher(fn, env=lambda: env)
+    layout = Layout()
+    alive = weakref.ref(layout)
+    launch[(1,)](ALIGNED, layout)
+    launch[(1,)](ALIGNED, layout)
+    assert kinds(fn) == ["triton", "fast"]
+    del layout
+    gc.collect()
+    assert alive() is not None
+    launch[(1,)](ALIGNED, Layout())  # another object: compiled apart
+    assert kinds(fn) == ["triton"]
+
+
+def test_each_tuple_of_argument_types_gets_its_own_kernel():
+    """A position that takes a tensor on one call and None on the next (an optional bias):
+    each is compiled once and then launched from the cache, whichever came last."""
+    fn, env, launch = launcher()
+    for _ in range(2):
+        for n in (5, None, 5.0):
+            launch[(1,)](ALIGNED, n, BLOCK=64, FLAG=False)
+    assert kinds(fn) == ["triton", "triton", "triton", "fast", "fast", "fast"]
+    assert len(launch._plans) == 3
 
 
 # ---- on a GPU: the cached launch against kernel[grid], kernel by kernel ----

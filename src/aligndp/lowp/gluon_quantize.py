@@ -372,7 +372,7 @@ def quantize(
     tiles = triton.cdiv(M, tile_m) * triton.cdiv(N, tile_n)
     persistent = _PERSISTENT[block]
     grid = (min(tiles, persistent * _sm_count(x.get_device())) if persistent else tiles,)
-    _quantize[grid](
+    _quantize[grid](  # in signature order: no binding of keywords per call
         x,
         (row or spare).data,
         (row or spare).scale_t,
@@ -380,19 +380,19 @@ def quantize(
         (col or spare).scale_t,
         M,
         N,
-        BLOCK=block,
-        TILE_M=tile_m,
-        TILE_N=tile_n,
-        EMAX=emax,
-        FP8_MAX=fp8_max,
-        MX=ScaleFormat(scale_format) is ScaleFormat.E8M0,
-        OUT=out,
-        ROWWISE=row is not None,
-        COLWISE=col is not None,
-        EVEN=M % tile_m == 0 and N % tile_n == 0,
-        PERSISTENT=bool(persistent),
-        L=L,
-        LM=LM,
-        LC=LC,
+        block,  # BLOCK
+        tile_m,  # TILE_M
+        tile_n,  # TILE_N
+        emax,  # EMAX
+        fp8_max,  # FP8_MAX
+        ScaleFormat(scale_format) is ScaleFormat.E8M0,  # MX
+        out,  # OUT
+        row is not None,  # ROWWISE
+        col is not None,  # COLWISE
+        M % tile_m == 0 and N % tile_n == 0,  # EVEN
+        bool(persistent),  # PERSISTENT
+        L,
+        LM,
+        LC,
         num_warps=num_warps,
     )

@@ -22,8 +22,7 @@ RECIPE = Recipe(
         fast_from=(9, 0),
         slow_on="nothing (the 1x128 kernels are Hopper kernels)",
         skip=FP8_BLOCK_SKIP,
-        source="measured on H200 at 8192 tokens: no gain up to 8192 x 8192; torchao rowwise "
-        "rule beyond",
+        source="measured on H200 in the 1b step at 8192 tokens: gains where in, out >= 2048",
     ),
     backends=(
         BackendRef(

@@ -264,8 +264,15 @@ def scaled_gemm(
         shape_fits=_gluon is not None and M % _gluon.TILE == 0 and N % _gluon.TILE == 0,
         shape_rule=f"M, N multiples of 128 (got {M}, {N})",
     ):
-        for t in (a.data, a.scale_t, b.data, b.scale_t, out):
-            _check_tma(t)
+        for t in (a.data, a.scale_t, b.data, b.scale_t):  # the kernel's descriptors assume it
+            if t.data_ptr() % 16 or not t.is_contiguous():
+                _check_tma(t)
+                raise ValueError(
+                    f"the GEMM's operands must be contiguous, got shape {tuple(t.shape)} with "
+                    f"strides {t.stride()}; pass QuantizedOperand tensors as the quantise made them"
+                )
+        if out.data_ptr() % 16:
+            _check_tma(out)
         return _gluon.fp8_block_gemm(
             a.data, a.scale_t, b.data, b.scale_t, out, accumulate=accumulate, bias=bias
         )

@@ -17,9 +17,15 @@ the same key call ``CompiledKernel.run(grid0, grid1, grid2, stream, function, pa
 None, None, None, *args)`` -- the call ``JITFunction.run`` itself ends with (Triton 3.6), without
 launch metadata and hooks (Triton 3.6's hook slots default to an empty ``HookChain``, not None,
 so its own path builds launch metadata and calls both chains on every launch). What the
-wrapper adds to that 5.6 us is its key: about 2.5 us of Python for the cast kernel's 11
-arguments on a slow shared 2-core CPU (not yet measured on the GPU host:
-``benchmarks/launch_cost.py``).
+wrapper adds is its key. On the GPU host it was 9.2 us for the 1x128 GEMM's 15 arguments
+(five of them host tensor descriptors, since moved to the device: [Note: descriptors on the
+device] in gluon_gemm.py), so the key is cheap by construction: what to read at each position
+is worked out once per tuple of argument types (:class:`_Plan`), and a call's key is then the
+types, C-level gathers of the constexpr values and identities, and one short loop each over
+its tensors and ints (on a shared 2-core CPU: 5.2 -> 4.5 us for the GEMM's 19 arguments, 6.6
+-> 4.0 us for the quantise's 21 passed in signature order rather than by keyword). Kernels are
+called with their arguments in signature order where that is easy: binding keywords to
+positions is Python work per call.
 
 What it relies on (else every call goes through ``kernel[grid]``, which is always correct):
 - the JIT function has ``params`` whose entries say ``name``, ``is_constexpr``,
@@ -36,31 +42,15 @@ What it relies on (else every call goes through ``kernel[grid]``, which is alway
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
 
 __all__ = ["CheapLauncher", "position_rules", "specialization_key", "through_triton"]
 
-_PLAIN = (int, float, str, type(None))
-"""Constexpr values keyed by value (bool too, apart from ints: ``True == 1``)."""
-
-
-class _Same:
-    """A key part equal only to itself's object (``is``): a constexpr object (a ``tl.dtype``, a
-    Gluon layout) keyed without hashing its contents per call. The key holds the object, so its
-    ``id`` is never reused while the cached kernel lives."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self):
-        return id(self.obj)
-
-    def __eq__(self, other):
-        return isinstance(other, _Same) and self.obj is other.obj
+_PLAIN = (int, float, str, type(None), bool)
+"""Constexpr types keyed by value (the key's types keep ``True`` apart from ``1``)."""
 
 
 def _int_class(v: int, value: bool, align: bool):
@@ -108,41 +98,79 @@ def specialization_key(args: Sequence, rules: Sequence[int] | None = None) -> tu
     """A hashable key of ``args`` (the kernel's arguments in signature order) that differs
     wherever Triton 3.6 would compile another kernel, or None for an argument type these rules
     do not cover (the caller then launches through Triton). ``rules``: one per position
-    (:func:`position_rules`; default all ``SPECIALIZED``).
+    (:func:`position_rules`; default all ``SPECIALIZED``). The key holds every argument's type;
+    beyond that, by position:
 
-    - constexpr: the value (bools apart from ints; other objects by identity);
+    - constexpr: the value (int, float, str, bool, None), or the object's identity;
     - tensor: dtype, and (``SPECIALIZED`` only) whether ``data_ptr()`` is 16-byte aligned;
-    - bool: nothing (type ``u1``); float: nothing (``fp32``); None: a constant;
+    - bool, float, None: nothing more (types ``u1``, ``fp32``, a constant);
     - int: equal to 1, type by range (i32 / i64 / u64), multiple of 16 (:func:`_int_class`);
-    - tensor descriptor (``base`` and ``block_shape``): its class, dtype, block shape, layout.
+    - tensor descriptor (``base`` and ``block_shape``): dtype, block shape, layout's identity.
     Finer than Triton where that is cheaper (a bool-typed ``1`` vs ``True``): a finer key only
-    costs one more trip through ``kernel[grid]``."""
-    key = []
-    for rule, a in zip(rules or (SPECIALIZED,) * len(args), args, strict=True):
-        if rule == CONSTEXPR:
-            if isinstance(a, bool):
-                key.append(("bool", a))
+    costs one more trip through ``kernel[grid]``. An identity is an ``id``: whoever keeps the
+    key keeps those objects alive (:meth:`_Plan.kept`), so no other object takes their ids."""
+    types = tuple(map(type, args))
+    return _Plan(types, tuple(rules or (SPECIALIZED,) * len(args))).key(args, types)
+
+
+def _getter(positions: list[int]) -> Callable[[Sequence], tuple]:
+    """``args -> tuple(args[i] for i in positions)``, at C speed."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+class _Plan:
+    """What :func:`specialization_key` reads at each position, for one tuple of argument
+    types: worked out once per types (:class:`CheapLauncher` keeps them), so a call's key is a
+    few C-level gathers and one loop per tensor and int ([Note: cheap launches])."""
+
+    def __init__(self, types: tuple[type, ...], rules: tuple[int, ...]):
+        values, idents, aligned, dtyped, ints, others = [], [], [], [], [], []
+        self.int_rules = []
+        for i, (t, rule) in enumerate(zip(types, rules, strict=True)):
+            if rule == CONSTEXPR:
+                (values if t in _PLAIN else idents).append(i)
+            elif issubclass(t, torch.Tensor):
+                (aligned if rule == SPECIALIZED else dtyped).append(i)
+            elif t in (bool, float, type(None)):
+                pass  # its type is all Triton keys
+            elif issubclass(t, int):
+                ints.append(i)
+                self.int_rules.append((rule != NO_VALUE, rule == SPECIALIZED))
             else:
-                key.append(a if isinstance(a, _PLAIN) else _Same(a))
-        elif isinstance(a, torch.Tensor):
-            key.append((a.dtype, rule == SPECIALIZED and a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool):
-            key.append("u1")
-        elif isinstance(a, int):
-            part = _int_class(a, rule != NO_VALUE, rule == SPECIALIZED)
+                others.append(i)  # a tensor descriptor, or a type no rule covers
+        self.values, self.idents, self.aligned = _getter(values), _getter(idents), _getter(aligned)
+        self.dtyped, self.ints, self.others = _getter(dtyped), _getter(ints), _getter(others)
+
+    def key(self, args: Sequence, types: tuple) -> tuple | None:
+        ints = []
+        for v, (value, align) in zip(self.ints(args), self.int_rules):
+            part = _int_class(v, value, align)
             if part is None:
                 return None
-            key.append(part)
-        elif isinstance(a, float):
-            key.append("fp32")
-        elif a is None:
-            key.append(None)
-        elif hasattr(a, "base") and hasattr(a, "block_shape"):
-            layout = getattr(a, "layout", None)
-            key.append((type(a), a.base.dtype, tuple(a.block_shape), _Same(layout)))
-        else:
-            return None
-    return tuple(key)
+            ints.append(part)
+        descs = []
+        for a in self.others(args):
+            if not (hasattr(a, "base") and hasattr(a, "block_shape")):
+                return None
+            descs.append((a.base.dtype, tuple(a.block_shape), id(getattr(a, "layout", None))))
+        return (
+            types,
+            self.values(args),
+            tuple(map(id, self.idents(args))),
+            tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in self.aligned(args)]),
+            tuple([t.dtype for t in self.dtyped(args)]),
+            tuple(ints),
+            tuple(descs),
+        )
+
+    def kept(self, args: Sequence) -> tuple:
+        """The objects whose ids the key holds."""
+        return (*self.idents(args), *[getattr(a, "layout", None) for a in self.others(args)])
 
 
 _THROUGH_TRITON = [False]
@@ -193,6 +221,7 @@ class CheapLauncher:
         self.fn = fn
         self._make_env, self._env = env, None
         self._kernels: dict = {}
+        self._plans: dict[tuple, _Plan] = {}  # by argument types
         try:
             params = list(fn.params)
             self._names = tuple(p.name for p in params)
@@ -215,7 +244,7 @@ class CheapLauncher:
         env = self._env
         if env is None:
             env = self._env = self._make_env()
-        key, bound = self._key(env, args, kwargs)
+        key, bound, plan = self._key(env, args, kwargs)
         try:
             cached = None if key is None else self._kernels.get(key)
         except TypeError:  # an unhashable option value
@@ -224,19 +253,20 @@ class CheapLauncher:
             kernel = self.fn[grid](*args, **kwargs)
             parts = tuple(getattr(kernel, a, None) for a in ("run", "function", "packed_metadata"))
             if key is not None and None not in parts:
-                self._kernels[key] = parts
+                self._kernels[key] = (*parts, plan.kept(bound))
             return
-        run, function, metadata = cached
+        run, function, metadata, _ = cached
         g0, g1, g2 = (*grid, 1, 1)[:3]
         run(g0, g1, g2, env.stream(key[0]), function, metadata, None, None, None, *bound)
 
-    def _key(self, env, args: tuple, kwargs: dict) -> tuple[tuple | None, tuple]:
-        """(the cache key, the arguments in signature order), or (None, ()) where this call
-        must go through Triton."""
+    def _key(self, env, args: tuple, kwargs: dict) -> tuple[tuple | None, tuple, _Plan | None]:
+        """(the cache key, the arguments in signature order, their plan), or (None, (), None)
+        where this call must go through Triton."""
+        never = None, (), None
         if self._names is None or _THROUGH_TRITON[0] or env.hooked() or self._pre_run_hooks:
-            return None, ()
+            return never
         if len(args) > len(self._names):  # Triton says what is wrong
-            return None, ()
+            return never
         if len(args) < len(self._names):
             try:
                 rest = [
@@ -244,10 +274,14 @@ class CheapLauncher:
                     for n in self._names[len(args) :]
                 ]
             except KeyError:  # a missing argument: Triton says which
-                return None, ()
+                return never
             args = (*args, *rest)
-        spec = specialization_key(args, self._rules)
+        types = tuple(map(type, args))
+        plan = self._plans.get(types)
+        if plan is None:
+            plan = self._plans[types] = _Plan(types, self._rules)
+        spec = plan.key(args, types)
         if spec is None:
-            return None, ()
+            return never
         options = tuple([item for item in kwargs.items() if item[0] not in self._name_set])
-        return (env.device(), env.debug(), options, spec), args
+        return (env.device(), env.debug(), options, spec), args, plan

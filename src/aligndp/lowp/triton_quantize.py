@@ -106,8 +106,8 @@ def _operand(
     data) or two; the one made for this ``role`` and shape on an earlier call when
     ``workspace`` (a dict) holds it (a square tensor's rows and columns have equal shapes, so
     the role keeps them apart)."""
-    key = (role, device, tuple(data_shape), tuple(scale_shape), elem_dtype, scale_dtype, one)
     if workspace is not None:
+        key = (role, device, tuple(data_shape), tuple(scale_shape), elem_dtype, scale_dtype, one)
         made = workspace.get(key)
         if made is None:
             made = workspace[key] = _operand(
