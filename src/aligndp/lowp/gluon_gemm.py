@@ -21,22 +21,6 @@ consumers release a stage after reading its scales with no proxy fence, as CUTLA
 DeepGEMM's pipelines do (the mbarrier orders the reads before the producer's next TMA write).
 Measured throughput, what bounds it (power, then consumer registers) and the variants tried:
 benchmarks/results/mx_kernels_history.md.
-
-[Note: descriptors on the device]
-The kernel takes plain pointers and makes its five TMA descriptors itself
-(``tma.make_tensor_descriptor``), each program into its slice of the launch's global scratch.
-Host descriptors cost the host, per call: five Gluon ``TensorDescriptor`` objects (their
-checks: 9.6 us on the H200's host), Triton's encoding of each into a ``CUtensorMap`` at every
-launch (4.7 us) and a longer launch key; the whole call went from 45.3 to 21.0 us
-(benchmarks/results/session19_2026-12-02.md). On the GPU, making them costs 2-7 us per GEMM
-before the programs' first loads (0.6-2.9 % at 1b's shapes; made inside the warp-specialised
-partitions instead, no better). The 1b step with every block Linear in 1x128, compiled, went
-from 0.990-0.997 to 0.949-0.970 of bf16 + compile: its host had fallen behind its GPU. The
-scratch comes from the allocator Triton asks at launch (``triton.set_allocator``): a thread
-that has none (autograd runs backward on a thread of its own, and Triton keeps the allocator
-per thread) gets torch's caching allocator on its first launch; one the user set is used as
-it is. The descriptors take each operand's rows as packed, so
-:func:`aligndp.lowp.triton_kernels.scaled_gemm` refuses a strided operand before the launch.
 """
 
 from __future__ import annotations
@@ -44,7 +28,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -54,9 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.runtime import _allocation
 
-from aligndp.lowp.triton_launch import CheapLauncher
+from aligndp.lowp.triton_launch import CheapLauncher, ensure_scratch_allocator
 
 __all__ = ["SCALE_BLOCK", "TILE", "fp8_block_gemm"]
 
@@ -269,7 +251,7 @@ def _fp8_block_gemm_kernel(
     SCALE_LAYOUT: gl.constexpr,
     C_LAYOUT: gl.constexpr,
 ):
-    # [Note: descriptors on the device]
+    # [Note: descriptors on the device] in triton_launch.py
     T: gl.constexpr = 128  # TILE and SCALE_BLOCK
     a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [K, 1], [T, T], OP_LAYOUT)
     sa_desc = tma.make_tensor_descriptor(sa_ptr, [K // T, M], [M, 1], [1, T], SCALE_LAYOUT)
@@ -351,20 +333,12 @@ _GL_DTYPE = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16}
 
 @functools.cache
 def _gemm_layouts(out_dtype: torch.dtype):
-    """Shared-memory layouts of the GEMM's fp8 operand, scale and C tiles: built once, since
-    constructing them is a good part of a small call's launch time."""
+    """The shared-memory layouts of the fp8 operand, scale and C tiles, built once per dtype."""
     return (
         gl.NVMMASharedLayout.get_default_for([TILE, SCALE_BLOCK], gl.float8e4nv),
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
         gl.NVMMASharedLayout.get_default_for([TILE, TILE], _GL_DTYPE[out_dtype]),
     )
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's scratch allocator: the launch's global scratch, where each program writes its
-    tensor descriptors ([Note: descriptors on the device]), from torch's caching allocator on the
-    current device (512-byte aligned; freed after the launch, stream-ordered)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @functools.cache
@@ -398,8 +372,7 @@ def fp8_block_gemm(
     ``benchmarks/fp8_power.py`` can show what the per-block promotion costs.
     """
     (M, K), N = a.shape, b.shape[0]
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)  # this thread's first launch; a user's own is kept
+    ensure_scratch_allocator()
     grid = (min((M // TILE) * (N // TILE), _sm_count(out.get_device())),)
     # 8 consumer warps + 1 producer warp; the producer gives its registers to the consumers
     bias_ptr, n_bias = (bias, bias.shape[0]) if bias is not None else (out, 0)

@@ -18,12 +18,13 @@ None, None, None, *args)`` -- the call ``JITFunction.run`` itself ends with (Tri
 launch metadata and hooks (Triton 3.6's hook slots default to an empty ``HookChain``, not None,
 so its own path builds launch metadata and calls both chains on every launch). What the
 wrapper adds is its key. On the GPU host it was 9.2 us for the 1x128 GEMM's 15 arguments
-(five of them host tensor descriptors, since moved to the device: [Note: descriptors on the
-device] in gluon_gemm.py), so the key is cheap by construction: what to read at each position
-is worked out once per tuple of argument types (:class:`_Plan`), and a call's key is then the
-types, C-level gathers of the constexpr values and identities, and one short loop each over
-its tensors and ints (on a shared 2-core CPU: 5.2 -> 4.5 us for the GEMM's 19 arguments, 6.6
--> 4.0 us for the quantise's 21 passed in signature order rather than by keyword). Kernels are
+(five of them host tensor descriptors, since moved to the device below:
+[Note: descriptors on the device]), so the key is cheap by construction: what to read at each
+position is worked out once per tuple of argument types (:class:`_Plan`), and a call's key is
+then the types, C-level gathers of the constexpr values and identities, and one short loop
+each over its tensors and ints (on a shared 2-core CPU: 5.2 -> 4.5 us for the GEMM's 19
+arguments, 6.6 -> 4.0 us for the quantise's 21 passed in signature order rather than by
+keyword). Kernels are
 called with their arguments in signature order where that is easy: binding keywords to
 positions is Python work per call.
 
@@ -38,6 +39,23 @@ What it relies on (else every call goes through ``kernel[grid]``, which is alway
 - the key separates every call Triton would compile apart (:func:`specialization_key`, and
   ``knobs.runtime.debug``); ``TRITON_INSTRUMENTATION_MODE`` is not re-read per call, and the
   check that a global the kernel reads has not changed since compiling is Triton's alone.
+
+[Note: descriptors on the device]
+The 1x128 Gluon GEMM (gluon_gemm.py) takes plain pointers and makes its five TMA descriptors
+itself (``tma.make_tensor_descriptor``), each program into its slice of the launch's global
+scratch.
+Host descriptors cost the host, per call: five Gluon ``TensorDescriptor`` objects (their
+checks: 9.6 us on the H200's host), Triton's encoding of each into a ``CUtensorMap`` at every
+launch (4.7 us) and a longer launch key; the whole call went from 45.3 to 21.0 us
+(benchmarks/results/session19_2026-12-02.md). On the GPU, making them costs 2-7 us per GEMM
+before the programs' first loads (0.6-2.9 % at 1b's shapes; made inside the warp-specialised
+partitions instead, no better). The 1b step with every block Linear in 1x128, compiled, went
+from 0.990-0.997 to 0.949-0.970 of bf16 + compile: its host had fallen behind its GPU. The
+scratch comes from the allocator Triton asks at launch (``triton.set_allocator``): a thread
+that has none (autograd runs backward on a thread of its own, and Triton keeps the allocator
+per thread) gets torch's caching allocator on its first launch; one the user set is used as
+it is. The descriptors take each operand's rows as packed, so
+:func:`aligndp.lowp.triton_kernels.scaled_gemm` refuses a strided operand before the launch.
 """
 
 from __future__ import annotations
@@ -47,7 +65,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["CheapLauncher", "position_rules", "specialization_key", "through_triton"]
+__all__ = [
+    "CheapLauncher",
+    "ensure_scratch_allocator",
+    "position_rules",
+    "specialization_key",
+    "through_triton",
+]
 
 _PLAIN = (int, float, str, type(None), bool)
 """Constexpr types keyed by value (the key's types keep ``True`` apart from ``1``)."""
@@ -171,6 +195,22 @@ class _Plan:
     def kept(self, args: Sequence) -> tuple:
         """The objects whose ids the key holds."""
         return (*self.idents(args), *[getattr(a, "layout", None) for a in self.others(args)])
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """A launch's global scratch from torch's caching allocator on the current device (512-byte
+    aligned; freed after the launch, stream-ordered)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give this thread torch's allocator for Triton's launch scratch unless it has one
+    ([Note: descriptors on the device]). GPU only: imports Triton."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
 
 
 _THROUGH_TRITON = [False]
