@@ -5,10 +5,6 @@ GPU (the figure we report; goal: ratio <= 0.95, state padding <= 0.5 %):
 CPU smoke run (gloo):
     torchrun --nproc-per-node 2 benchmarks/zero1_step.py \
         --preset demo --device cpu --batch 2 --iters 2
-FP8 param all-gather (dp >= 2; goal: fp8-tensor ZeRO-1 step with FP8 gathers <= 0.97 of the
-same step with bf16 gathers):
-    torchrun --nproc-per-node 2 benchmarks/zero1_step.py --preset 1b --batch 8 \
-        --fp8-param-gather [--wgrad-layers all]
 
 A "step" is forward + backward + gradient collectives + optimizer + param all-gather, i.e.
 everything between two forwards. Steps are timed back to back (one device sync per
@@ -22,22 +18,25 @@ JSON lines on rank 0:
   state       optimizer bytes per rank (fp32 masters + AdamW state) against total / dp_size,
               per master_weights setting
   summary     best default ratio (goal 0.95) and best master_weights=false ratio
-With --fp8-param-gather instead (:func:`fp8_gather_main`), the GPT converted to fp8-tensor
-(--wgrad-layers) under ZeRO-1, bf16 gathers against FP8 gathers, timed in interleaved rounds:
-  fp8_gather  per variant: all-gather bytes of one step by dtype (uint8: the FP8 payload,
-              float32: the amaxes), step_ms; then ratio = fp8 / bf16 gathers (goal 0.97)
+FP8 param all-gathers: benchmarks/fp8_gather_step.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _bench import Timing, add_common_arguments, build_gpt, device_label, every_rank, init, log
+from _bench import (
+    Timing,
+    add_common_arguments,
+    build_gpt,
+    device_label,
+    init,
+    log,
+)
 
 import aligndp
 from aligndp.models.gpt import PRESETS
@@ -134,18 +133,7 @@ def main() -> None:
         choices=["param", "fp32"],
         help="aligndp gradient buffer dtype (torch DDP always reduces in the param dtype)",
     )
-    ap.add_argument(
-        "--fp8-param-gather",
-        action="store_true",
-        help="measure the fp8-tensor ZeRO-1 step with bf16 against FP8 param gathers instead",
-    )
-    ap.add_argument("--wgrad-layers", default="pays", choices=["pays", "all"])
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (--fp8-param-gather)")
     args = ap.parse_args()
-    if args.fp8_param_gather:
-        fp8_gather_main(args)
-        return
-
     device, dtype = init(args.device)
     cuda = device.type == "cuda"
     timing = Timing(device, args.iters, args.warmup)
@@ -229,88 +217,6 @@ def main() -> None:
         goal=0.95,
         met=ratio <= 0.95,
         ratio_master_weights_false=best[False] / t_torch,
-    )
-    dist.destroy_process_group()
-
-
-def gather_bytes(model, step: Callable[[], None]) -> dict[str, int]:
-    """Bytes this rank's param all-gathers move in one ``step``, by dtype."""
-    moved: dict[str, int] = {}
-    collectives = model.param_gather.collectives
-    original = collectives.all_gather_shards
-
-    def counting(bucket):
-        key = str(bucket.dtype).removeprefix("torch.")
-        moved[key] = moved.get(key, 0) + bucket.numel() * bucket.element_size()
-        return original(bucket)
-
-    collectives.all_gather_shards = counting
-    try:
-        step()
-    finally:
-        del collectives.all_gather_shards
-    return moved
-
-
-def fp8_gather_main(args: argparse.Namespace) -> None:
-    """The fp8-tensor ZeRO-1 step with bf16 param gathers against FP8 ones ([Note: FP8 param
-    gather]), the two models side by side, timed in ``args.rounds`` interleaved rounds."""
-    from aligndp.lowp import convert_to_mxfp8
-
-    device, dtype = init(args.device)
-    ws = dist.get_world_size()
-    if ws < 2:
-        raise SystemExit("--fp8-param-gather needs dp >= 2 (torchrun --nproc-per-node 2)")
-    cfg = PRESETS[args.preset]
-    gen = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
-    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=device, generator=gen)
-    timing = Timing(device, args.iters, args.warmup)
-    steps, converted = {}, 0
-    for fp8 in (False, True):
-        module = convert_to_mxfp8(
-            build_gpt(args.preset, device, dtype), backend="fp8-tensor", layers=args.wgrad_layers
-        )
-        ours, opt = aligndp.parallelize(
-            module,
-            sharding="zero1",
-            lr=1e-4,
-            bucket_numel=args.bucket_numel,
-            wgrad="fp8-tensor",
-            fp8_param_gather=fp8,
-            fused=True,
-        )
-
-        def step(ours=ours, opt=opt) -> None:
-            ours(idx, idx).backward()
-            opt.step()
-            opt.zero_grad()
-
-        steps[fp8] = step
-        moved = gather_bytes(ours, step)
-        if fp8:
-            converted = sum(b.layout.numel for b in ours.flat_buffers if b.gather_data is not None)
-        log(what="fp8_gather", fp8_param_gather=fp8, gather_bytes=moved, bytes=sum(moved.values()))
-    log(
-        what="env",
-        preset=args.preset,
-        ws=ws,
-        device=device_label(device),
-        param_dtype=str(dtype),
-        fp8_gathered_elements=converted,
-    )
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for fp8 in (False, True):
-            times[fp8].append(max(every_rank(timing(steps[fp8]), device)))
-    plain_ms, fp8_ms = (statistics.median(times[k]) * 1e3 for k in (False, True))
-    log(
-        what="fp8_gather",
-        param_dtype_gather_ms=plain_ms,
-        fp8_gather_ms=fp8_ms,
-        ratio=fp8_ms / plain_ms,
-        goal=0.97,
-        met=fp8_ms / plain_ms <= 0.97,
-        rounds=times,
     )
     dist.destroy_process_group()
 

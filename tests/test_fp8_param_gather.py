@@ -124,6 +124,9 @@ def check_gathered(model, ref: nn.Module, what: str) -> None:
         assert not calls, f"{what}: {n} was quantised again instead of taken as gathered"
         assert torch.equal(operand.scale, scale), f"{what}: scale of {n}"
         assert torch.equal(operand.data.view(torch.uint8), data.view(torch.uint8)), f"{what}: {n}"
+        assert torch.equal(  # the dgrad GEMM's operand
+            operand.data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8)
+        ), f"{what}: transposed {n}"
         assert torch.equal(params[n].detach(), data.float() * scale), f"{what}: decoded {n}"
 
 
@@ -366,6 +369,48 @@ def test_a_plan_with_fp8_gathers_needs_the_codec():
     assert [lo.gather_dtype for lo in layouts] == [torch.float8_e4m3fn, None]
     with pytest.raises(ValueError, match="gather codec is missing"):
         check_codec(layouts, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the codec's Triton kernels")
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_equal_the_torch_ops(param_dtype):
+    """[Note: one launch per bucket]: one encode and one decode launch over weights of odd
+    shapes (tiles cut at the edges) and pieces of odd lengths and offsets give the bytes, the
+    decoded values, the transposes and the scales of the torch ops a weight at a time."""
+    from aligndp.lowp import fp8_gather_kernels as kernels
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 128), (200, 72), (1, 3), (130, 64)]
+    masters = [torch.randn(r * c, generator=g) * 10 ** (i - 2) for i, (r, c) in enumerate(shapes)]
+    pieces = [m[lo:hi] for m, (lo, hi) in zip(masters, [(0, 8192), (37, 9001), (0, 3), (5, 6)])]
+    # scales below the amax for two weights: their largest values saturate at 448
+    scales = torch.stack([m.abs().max() / E4M3_MAX * f for m, f in zip(masters, (1, 0.5, 1, 0.25))])
+    index = [0, 1, 2, 3]
+    cuda = [p.cuda() for p in pieces]
+    outs = [torch.zeros(p.numel(), dtype=torch.float8_e4m3fn, device="cuda") for p in pieces]
+    kernels.encode(cuda, scales.cuda(), index, outs)
+    for p, s, out in zip(pieces, scales, outs):
+        want = recipe_fp8_tensor.cast_e4m3(p, s)
+        assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8))
+
+    datas = [kernels_input(m, s, shape) for m, s, shape in zip(masters, scales, shapes)]
+    values = [torch.zeros(shape, dtype=param_dtype, device="cuda") for shape in shapes]
+    transposes = [
+        torch.empty(shape[::-1], dtype=torch.float8_e4m3fn, device="cuda") for shape in shapes
+    ]
+    slots = torch.zeros(len(shapes) * kernels.SCALE_STRIDE, device="cuda")
+    kernels.decode([d.cuda() for d in datas], scales.cuda(), values, transposes, slots)
+    for i, (d, s) in enumerate(zip(datas, scales)):
+        assert torch.equal(values[i].cpu(), torch.mul(d.float(), s).to(param_dtype)), shapes[i]
+        assert torch.equal(
+            transposes[i].cpu().view(torch.uint8), d.t().contiguous().view(torch.uint8)
+        )
+        assert slots[i * kernels.SCALE_STRIDE].item() == s.item()
+
+
+def kernels_input(master: torch.Tensor, scale: torch.Tensor, shape) -> torch.Tensor:
+    """The E4M3 bytes of ``master`` at ``scale``, in the weight's shape."""
+    return recipe_fp8_tensor.cast_e4m3(master, scale).view(shape)
 
 
 make_tests(globals())

@@ -9,7 +9,9 @@ which differs between the forward and the dgrad, so one gathered payload cannot 
 A gathered weight is handed to its layer's quantised-weight cache
 (:meth:`~aligndp.lowp.linear.MXLinear.set_quantised_weight`, [Note: weights once per step] in
 linear.py), in the form the recipe's own ``quantize_weight`` gives (both layouts), so forwards
-take it until the weight changes.
+take it until the weight changes. Its bytes, transpose and scale live in storage the next
+gather rewrites (after the optimizer step, when the step's backwards are done), like the
+``gather_data`` the bytes are gathered into.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ __all__ = ["Fp8TensorGatherCodec", "fp8_gathered_weights"]
 
 class Fp8TensorGatherCodec:
     """:class:`~aligndp.runtime.gather_codec.GatherCodec` of the ``fp8-tensor`` recipe for the
-    converted layers of ``model``."""
+    converted layers of ``model``. On CUDA a bucket's encode and its finish are one launch
+    each ([Note: one launch per bucket] in fp8_gather_kernels.py); elsewhere torch ops, a
+    weight at a time, with the same bits."""
 
     name = RECIPE.name
     dtype = torch.float8_e4m3fn
@@ -33,23 +37,69 @@ class Fp8TensorGatherCodec:
     def __init__(self, model: nn.Module) -> None:
         self._layers = {id(m.weight): m for m in _fp8_tensor_layers(model)}
         """id(weight) -> its layer (ids: a pending param's hash would wait for its gather)."""
+        self._operands: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
+        """CUDA: the weights' transposed bytes and the scales' slots a bucket's finish writes,
+        by the bucket's gathered bytes' addresses: made once, rewritten by every gather."""
 
-    def scales(self, amax: torch.Tensor) -> torch.Tensor:
-        return scale_of(amax)
+    def scales(self, amax: torch.Tensor, *, out: torch.Tensor) -> None:
+        out.copy_(scale_of(amax))
 
-    def encode(self, values: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
-        cast_e4m3(values, scale, out=out)
+    def encode(
+        self,
+        values: list[torch.Tensor],
+        scales: torch.Tensor,
+        index: list[int],
+        outs: list[torch.Tensor],
+    ) -> None:
+        if scales.is_cuda and all(v.dtype == torch.float32 for v in values):
+            from aligndp.lowp import fp8_gather_kernels
+
+            fp8_gather_kernels.encode(values, scales, index, outs)
+            return
+        for v, k, out in zip(values, index, outs):
+            cast_e4m3(v, scales[k], out=out)
 
     def decode(self, data: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
         torch.mul(data.float(), scale, out=out)  # float32 product, rounded once to out's dtype
 
-    def publish(self, param: nn.Parameter, data: torch.Tensor, scale: torch.Tensor) -> None:
+    def finish(
+        self,
+        params: tuple[nn.Parameter, ...],
+        datas: list[torch.Tensor],
+        scales: torch.Tensor,
+        outs: list[torch.Tensor],
+    ) -> None:
+        if scales.is_cuda:
+            from aligndp.lowp import fp8_gather_kernels
+
+            transposes, slots = self._cuda_operands(datas)
+            fp8_gather_kernels.decode(datas, scales, outs, transposes, slots)
+            step = fp8_gather_kernels.SCALE_STRIDE
+            for i, (param, data) in enumerate(zip(params, datas)):
+                self._publish(param, data, slots[i * step], transposes[i])
+            return
+        for param, data, scale, out in zip(params, datas, scales, outs):
+            self.decode(data, scale, out=out)
+            # a scale of its own: cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED, H200) a scale
+            # pointer 4 bytes into an array, which ``scale`` is
+            self._publish(param, data, scale.clone(), data.t().contiguous())
+
+    def _publish(self, param, data, scale, data_t) -> None:
         layer = self._layers.get(id(param))
         if layer is not None and layer.cache_weight:
-            # the scale gets storage of its own: cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED,
-            # H200) a scale pointer 4 bytes into the bucket's scales, which ``scale`` is
-            scale = scale.clone()
-            layer.set_quantised_weight(Quantized(data, scale, data.t().contiguous()))
+            layer.set_quantised_weight(Quantized(data, scale, data_t))
+
+    def _cuda_operands(self, datas: list[torch.Tensor]):
+        key = tuple(d.data_ptr() for d in datas)
+        made = self._operands.get(key)
+        if made is None:
+            from aligndp.lowp.fp8_gather_kernels import SCALE_STRIDE
+
+            device = datas[0].device
+            transposes = [torch.empty(d.shape[::-1], dtype=d.dtype, device=device) for d in datas]
+            slots = torch.zeros(len(datas) * SCALE_STRIDE, dtype=torch.float32, device=device)
+            made = self._operands[key] = (transposes, slots)
+        return made
 
 
 def _fp8_tensor_layers(model: nn.Module) -> list[MXLinear]:

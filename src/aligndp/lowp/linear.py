@@ -258,7 +258,8 @@ class MXLinear(nn.Linear):
         :meth:`~aligndp.lowp.backends.WgradBackend.quantize_weight` of its backend returns
         (e.g. FP8 bytes and scales that an all-gather delivered): forwards use it until the
         weight changes. Call it after the weight's values (and their version) are final; the
-        tensors must not be written afterwards."""
+        tensors must not be written while the weight keeps them (an FP8 param gather rewrites
+        its storage at the next gather, after the weight has changed)."""
         weight = self.weight
         key = _weight_key(weight, self._grad_sink)
         storage = weakref.ref(weight.untyped_storage())

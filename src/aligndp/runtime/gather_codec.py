@@ -49,30 +49,45 @@ __all__ = ["GatherCodec", "CodedGather", "check_codec", "coded_gather"]
 
 
 class GatherCodec(Protocol):
-    """How a low-precision param all-gather encodes an owner's piece and decodes the result
-    ([Note: FP8 param gather]); one scale per param, taken from its amax over the whole param."""
+    """How a low-precision param all-gather encodes an owner's pieces and decodes the result
+    ([Note: FP8 param gather]); one scale per param, taken from its amax over the whole param.
+    Encode and finish take a whole bucket, so a codec can do each in one launch."""
 
     name: str
     """Named in errors and reports, e.g. ``"fp8-tensor"``."""
     dtype: torch.dtype
     """The 1-byte element type the gather moves, e.g. ``torch.float8_e4m3fn``."""
 
-    def scales(self, amax: torch.Tensor) -> torch.Tensor:
-        """float32 scales, one per param, from float32 amaxes over whole params."""
+    def scales(self, amax: torch.Tensor, *, out: torch.Tensor) -> None:
+        """``out`` = float32 scales, one per param, from float32 amaxes over whole params."""
         ...
 
-    def encode(self, values: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
-        """Quantise the 1-D ``values`` with the 0-d ``scale`` into ``out`` (same length,
-        :attr:`dtype`)."""
+    def encode(
+        self,
+        values: list[torch.Tensor],
+        scales: torch.Tensor,
+        index: list[int],
+        outs: list[torch.Tensor],
+    ) -> None:
+        """Quantise each 1-D ``values[j]`` with the scale ``scales[index[j]]`` into ``outs[j]``
+        (same length, :attr:`dtype`)."""
         ...
 
     def decode(self, data: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor) -> None:
         """``out`` (1-D, the param dtype) = ``data`` (1-D, :attr:`dtype`) dequantised."""
         ...
 
-    def publish(self, param: nn.Parameter, data: torch.Tensor, scale: torch.Tensor) -> None:
-        """Hand ``param``'s layer its gathered operand: ``data`` (the param's shape,
-        :attr:`dtype`) and ``scale``, valid until the param is written again."""
+    def finish(
+        self,
+        params: tuple[nn.Parameter, ...],
+        datas: list[torch.Tensor],
+        scales: torch.Tensor,
+        outs: list[torch.Tensor],
+    ) -> None:
+        """For every ``params[i]``: :meth:`decode` ``datas[i]`` (its gathered bytes, the
+        param's shape) with ``scales[i]`` into ``outs[i]`` (its ``param_data`` view, its
+        shape), and hand its layer the gathered operand, valid until the param is written
+        again."""
         ...
 
 
@@ -102,8 +117,20 @@ class _Bucket:
     params: tuple[nn.Parameter, ...]
     amax: torch.Tensor
     """``(dp_size * len(params),)`` float32: rank r's amaxes in shard r."""
-    scales: torch.Tensor | None = None
-    """The scales of the last gather (None before the first)."""
+    scales: torch.Tensor
+    """``(len(params),)`` float32: the scales of the last gather, rewritten by the next."""
+    mine: list[int]
+    """Indices of the params this rank owns a piece of."""
+    mine_index: torch.Tensor
+    """The same on the bucket's device (a list index would copy from the host, and wait)."""
+    encoded: list[torch.Tensor]
+    """Those pieces' places in ``gather_data`` (the codec's dtype)."""
+    datas: list[torch.Tensor]
+    """Every param's gathered bytes (its shape, the codec's dtype)."""
+    values: list[torch.Tensor]
+    """Every param's ``param_data`` view (its shape)."""
+    gathered: bool = False
+    """Whether a gather has set ``scales``."""
 
 
 class CodedGather:
@@ -113,24 +140,35 @@ class CodedGather:
     def __init__(self, index: ParamIndex, *, codec: GatherCodec, collectives: Collectives):
         self.index, self.codec, self.collectives = index, codec, collectives
         self.rank, self.dp_size = collectives.rank, collectives.dp_size
-        self.buckets: dict[BucketRef, _Bucket] = {}
-        for ref in index.refs:
-            buf = index.buffer(ref)
-            if buf.gather_data is None:
-                continue
-            params = index.members[ref]
-            amax = collectives.allocate(
-                self.dp_size * len(params),
-                dtype=torch.float32,
-                device=buf.device,
-                align_bytes=16,
-            ).zero_()
-            self.buckets[ref] = _Bucket(params, amax)
-        self._sources: dict[int, torch.Tensor] = {}
-        """id(param) -> the full-precision values of this rank's piece (the part's master)."""
         self._slot = {id(p): slot for p, slot in index.slots.items()}
         """id(param) -> its GradSlot (a pending param's hash would wait for its gather: ids
         do not, [Note: reads wait for the gather])."""
+        self.buckets: dict[BucketRef, _Bucket] = {}
+        for ref in index.refs:
+            buf = index.buffer(ref)
+            if buf.gather_data is not None:
+                self.buckets[ref] = self._bucket(ref, index.members[ref])
+        self._sources: dict[int, torch.Tensor] = {}
+        """id(param) -> the full-precision values of this rank's piece (the part's master)."""
+
+    def _bucket(self, ref: BucketRef, params: tuple[nn.Parameter, ...]) -> _Bucket:
+        buf = self.index.buffer(ref)
+        data = buf.gather_data.view(self.codec.dtype)
+        slots = [self._slot[id(p)] for p in params]
+        mine = [i for i, s in enumerate(slots) if s.owned.numel]
+        amax = self.collectives.allocate(
+            self.dp_size * len(params), dtype=torch.float32, device=buf.device, align_bytes=16
+        ).zero_()
+        return _Bucket(
+            params,
+            amax,
+            scales=torch.zeros(len(params), dtype=torch.float32, device=buf.device),
+            mine=mine,
+            mine_index=torch.tensor(mine, dtype=torch.int64).to(buf.device),
+            encoded=[data[slots[i].owned.start : slots[i].owned.end] for i in mine],
+            datas=[data[s.slot.start : s.slot.end].view(s.slot.shape) for s in slots],
+            values=[buf.param_data[s.slot.start : s.slot.end].view(s.slot.shape) for s in slots],
+        )
 
     def handles(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is gathered through the codec."""
@@ -155,39 +193,33 @@ class CodedGather:
         ``dp_size == 1``); the Work to wait for, then :meth:`finish`."""
         bucket, buf = self.buckets[ref], self.index.buffer(ref)
         local = bucket.amax.view(self.dp_size, -1)[self.rank]
-        pieces = [self._piece(p) for p in bucket.params]
+        pieces = [self._piece(bucket.params[i]) for i in bucket.mine]
         local.zero_()
-        mine = [i for i, piece in enumerate(pieces) if piece.numel()]
-        if mine:
-            norms = torch._foreach_norm([pieces[i] for i in mine], float("inf"))
-            local[mine] = torch.stack(norms).float()
+        if pieces:
+            norms = torch.stack(torch._foreach_norm(pieces, float("inf")))
+            local.index_copy_(0, bucket.mine_index, norms.float())
         if self.dp_size > 1:  # every weight's amax over every rank's piece
             self.collectives.all_gather_shards(bucket.amax).wait()
-        bucket.scales = self.codec.scales(bucket.amax.view(self.dp_size, -1).amax(0))
-        for i in mine:
-            owned = self._slot[id(bucket.params[i])].owned
-            out = buf.gather_data[owned.start : owned.end].view(self.codec.dtype)
-            self.codec.encode(pieces[i], bucket.scales[i], out=out)
+        self.codec.scales(bucket.amax.view(self.dp_size, -1).amax(0), out=bucket.scales)
+        bucket.gathered = True
+        if pieces:
+            self.codec.encode(pieces, bucket.scales, bucket.mine, bucket.encoded)
         if self.dp_size > 1:
             return self.collectives.all_gather_shards(buf.bucket_gather(ref.bucket))
         return _DONE
 
     def finish(self, ref: BucketRef) -> None:
-        """After the gather: decode every param of ``ref`` into ``param_data`` and publish its
-        gathered bytes and scale to its layer."""
-        bucket, buf = self.buckets[ref], self.index.buffer(ref)
-        for param, scale in zip(bucket.params, bucket.scales):
-            slot = self._slot[id(param)].slot
-            data = buf.gather_data[slot.start : slot.end].view(self.codec.dtype)
-            self.codec.decode(data, scale, out=buf.param_data[slot.start : slot.end])
-            self.codec.publish(param, data.view(slot.shape), scale)
+        """After the gather: decode every param of ``ref`` into ``param_data`` and hand its
+        layer the gathered bytes and scale."""
+        bucket = self.buckets[ref]
+        self.codec.finish(bucket.params, bucket.datas, bucket.scales, bucket.values)
 
     def decoded(self, param: nn.Parameter) -> torch.Tensor | None:
         """The flat value the last gather wrote into ``param`` (None: not coded, or no gather
         yet); what an optimizer compares the param with to see whether the user wrote it."""
         slot = self._slot.get(id(param))
         bucket = self.buckets.get(slot.ref) if slot is not None else None
-        if bucket is None or bucket.scales is None:
+        if bucket is None or not bucket.gathered:
             return None
         i = next(k for k, p in enumerate(bucket.params) if p is param)
         buf = self.index.buffer(slot.ref)
