@@ -16,6 +16,8 @@ gather rewrites (after the optimizer step, when the step's backwards are done), 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -23,6 +25,15 @@ from aligndp.lowp.linear import MXLinear
 from aligndp.lowp.recipe_fp8_tensor import RECIPE, Quantized, cast_e4m3, scale_of
 
 __all__ = ["Fp8TensorGatherCodec", "fp8_gathered_weights"]
+
+
+class _CudaOperands(NamedTuple):
+    transposes: list[torch.Tensor]
+    """Each weight's transposed FP8 bytes (the dgrad GEMM's operand)."""
+    slots: torch.Tensor
+    """float32 scales, ``SCALE_STRIDE`` apart (cuBLASLt wants a scale pointer of its own)."""
+    scales: list[torch.Tensor]
+    """The 0-d view of each weight's slot, as its layer takes it."""
 
 
 class Fp8TensorGatherCodec:
@@ -37,9 +48,9 @@ class Fp8TensorGatherCodec:
     def __init__(self, model: nn.Module) -> None:
         self._layers = {id(m.weight): m for m in _fp8_tensor_layers(model)}
         """id(weight) -> its layer (ids: a pending param's hash would wait for its gather)."""
-        self._operands: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
-        """CUDA: the weights' transposed bytes and the scales' slots a bucket's finish writes,
-        by the bucket's gathered bytes' addresses: made once, rewritten by every gather."""
+        self._operands: dict[tuple[int, ...], _CudaOperands] = {}
+        """CUDA: what a bucket's finish writes besides ``param_data``, by the bucket's gathered
+        bytes' addresses: made once, rewritten by every gather."""
 
     def scales(self, amax: torch.Tensor, *, out: torch.Tensor) -> None:
         out.copy_(scale_of(amax))
@@ -72,11 +83,10 @@ class Fp8TensorGatherCodec:
         if scales.is_cuda:
             from aligndp.lowp import fp8_gather_kernels
 
-            transposes, slots = self._cuda_operands(datas)
-            fp8_gather_kernels.decode(datas, scales, outs, transposes, slots)
-            step = fp8_gather_kernels.SCALE_STRIDE
-            for i, (param, data) in enumerate(zip(params, datas)):
-                self._publish(param, data, slots[i * step], transposes[i])
+            made = self._cuda_operands(datas)
+            fp8_gather_kernels.decode(datas, scales, outs, made.transposes, made.slots)
+            for param, data, scale, data_t in zip(params, datas, made.scales, made.transposes):
+                self._publish(param, data, scale, data_t)
             return
         for param, data, scale, out in zip(params, datas, scales, outs):
             self.decode(data, scale, out=out)
@@ -89,7 +99,7 @@ class Fp8TensorGatherCodec:
         if layer is not None and layer.cache_weight:
             layer.set_quantised_weight(Quantized(data, scale, data_t))
 
-    def _cuda_operands(self, datas: list[torch.Tensor]):
+    def _cuda_operands(self, datas: list[torch.Tensor]) -> _CudaOperands:
         key = tuple(d.data_ptr() for d in datas)
         made = self._operands.get(key)
         if made is None:
@@ -98,7 +108,8 @@ class Fp8TensorGatherCodec:
             device = datas[0].device
             transposes = [torch.empty(d.shape[::-1], dtype=d.dtype, device=device) for d in datas]
             slots = torch.zeros(len(datas) * SCALE_STRIDE, dtype=torch.float32, device=device)
-            made = self._operands[key] = (transposes, slots)
+            scales = [slots[i * SCALE_STRIDE] for i in range(len(datas))]
+            made = self._operands[key] = _CudaOperands(transposes, slots, scales)
         return made
 
 
