@@ -224,6 +224,62 @@ def case_split_newton_schulz_in_a_subgroup(rank, ws):
         assert rel_error(p, q) <= REL, f"{n}: {rel_error(p, q):.2e}"
 
 
+@case(4)
+def case_split_groups_that_overlap_are_made_on_every_rank(rank, ws):
+    """The wrap-time hang of issue 42: ranks {0, 1, 3} and {0, 1, 2} each need one split group,
+    and the two overlap. Every rank makes every group in one agreed order (split_groups), so
+    each group works for its members and every rank holds the same groups, in the same order;
+    made with ``use_local_synchronization=True`` by their members alone, ranks 0-2 waited
+    forever."""
+    from aligndp.optim import split_ns
+
+    needed = [r for r in ((0, 1, 3), (0, 1, 2)) if rank in r]
+    made = split_ns.split_groups(needed)
+    assert sorted(made) == sorted(needed)
+    for ranks, group in made.items():
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(ranks), f"group {ranks}: {t.item()}"
+    keys = [k[1] for k in split_ns._GROUPS if k[0] == id(dist.group.WORLD)]
+    everyone = [None] * ws
+    dist.all_gather_object(everyone, keys)
+    assert all(k == everyone[0] for k in everyone), f"groups differ between ranks: {everyone}"
+    assert split_ns.split_groups(needed) == made  # cached: no group made twice
+
+
+def _issue_gpt():
+    from aligndp.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=4096, seq_len=8, dim=768, num_layers=2, head_dim=64))
+
+
+@case(4)
+def case_layerwise_muon_whose_split_groups_overlap_wraps_and_trains(rank, ws):
+    """Issue 42's model (2 blocks, width 768, vocabulary 4096) at 4 ranks, flat and on a 2 x 2
+    mesh: Muon's default split policy shares matrices over overlapping groups of ranks; every
+    rank finishes parallelize() and two steps, and the replicas stay identical."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    for mesh in (None, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))):
+        model, opt = aligndp.parallelize(
+            _issue_gpt(), optimizer="muon", sharding="zero1", mesh=mesh
+        )
+        groups = {
+            tuple(p.split.ranks) for lo in model.layouts for p in lo.params if p.split is not None
+        }
+        if mesh is None:  # the plan that hung: distinct groups of ranks that overlap
+            overlap = any(set(a) & set(b) for a in groups for b in groups if a != b)
+            assert len(groups) > 1 and overlap, f"split groups {groups}"
+        for step in range(2):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randint(0, 4096, (1, 8), generator=gen)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert_replicas_identical(model.module)
+
+
 @case(2, 3, 4)
 def case_none_matches_one_process(rank, ws):
     worst = max(

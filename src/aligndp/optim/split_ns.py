@@ -17,7 +17,7 @@ the owner first, and each part's columns (of the matrix in its wide orientation)
 The pieces are pure functions of tensors (:func:`momentum_update`, :func:`normalised`,
 :func:`gram_part`, :func:`b_rows`, :func:`apply_b`, :func:`apply_update`) so that a test can
 run the parts in one process against ``torch.optim.Muon``; :class:`SplitMatrix` wires them
-with ``torch.distributed`` over a sub-group built once at construction.
+with ``torch.distributed`` over a sub-group that :func:`split_groups` makes at wrap time.
 """
 
 from __future__ import annotations
@@ -37,33 +37,55 @@ __all__ = [
     "apply_b",
     "apply_update",
     "b_rows",
+    "global_split_ranks",
     "gram_part",
     "lr_ratio",
     "momentum_update",
     "normalised",
-    "split_group",
+    "split_groups",
 ]
 
 NS_DTYPE = torch.bfloat16
 """The dtype Newton–Schulz runs in, as torch's Muon (bf16); tests set fp32 on both sides."""
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
+"""(id of the default group, global ranks) -> (that default group, the sub-group): the same
+keys on every rank, since every rank makes every group."""
 
 
-def split_group(global_ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The sub-group of ``global_ranks`` (made once per process; only its members call, so
-    every member must ask for the groups it is in in the same order)."""
-    ranks = tuple(sorted(global_ranks))
-    group = _GROUPS.get(ranks)
-    if group is not None:
-        try:
-            dist.get_process_group_ranks(group)
-            return group
-        except (ValueError, RuntimeError):  # destroyed with its default group
-            pass
-    group = dist.new_group(list(ranks), use_local_synchronization=True)
-    _GROUPS[ranks] = group
-    return group
+def split_groups(needed: Sequence[Sequence[int]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """The sub-groups of this rank's split matrices, keyed by their sorted global ranks.
+
+    A collective of the whole job: every rank calls it once, at wrap time, with the global
+    ranks of the groups it needs in plan order (none is fine). The ranks share their lists
+    (one ``all_gather_object``) and then *every* rank makes *every* group in one agreed order
+    with ``dist.new_group`` (group creation is collective over the default group), so no rank
+    can wait for a group that another never makes. Groups made with
+    ``use_local_synchronization=True`` (only their members calling) hang when two of them
+    overlap: at 4 ranks, ranks 0, 1, 2 waited forever in ``new_group([0, 1, 2])`` after
+    ``new_group([0, 1, 3])`` (gloo, CPU and CUDA tensors alike). Groups are cached per default
+    group, identically on every rank, so a second wrap of the same plan makes none.
+    """
+    world = dist.group.WORLD
+    everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [tuple(sorted(r)) for r in needed])
+    order = list(dict.fromkeys(ranks for mine in everyone for ranks in mine or ()))
+    me = dist.get_rank()
+    out: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in order:
+        key = (id(world), ranks)
+        if key not in _GROUPS or _GROUPS[key][0] is not world:
+            _GROUPS[key] = (world, dist.new_group(list(ranks)))
+        if me in ranks:
+            out[ranks] = _GROUPS[key][1]
+    return out
+
+
+def global_split_ranks(split: MatrixSplit, process_group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``split``'s group, owner first (the plan names ranks of the
+    data-parallel ``process_group``; None: the default group)."""
+    parent = process_group if process_group is not None else dist.group.WORLD
+    return [dist.get_global_rank(parent, r) for r in split.ranks]
 
 
 def momentum_update(grad: torch.Tensor, state: dict, momentum: float, nesterov: bool):
@@ -121,7 +143,8 @@ def apply_update(param: torch.Tensor, ortho: torch.Tensor, options: dict) -> Non
 
 class SplitMatrix:
     """This rank's side of one split matrix of shape ``shape``; ``rank`` is its rank in the
-    data-parallel ``process_group`` (None: the default group), whose ranks ``split`` names."""
+    data-parallel ``process_group`` (None: the default group), whose ranks ``split`` names;
+    ``group`` is their sub-group, from :func:`split_groups`."""
 
     def __init__(
         self,
@@ -130,12 +153,12 @@ class SplitMatrix:
         rank: int,
         process_group: dist.ProcessGroup | None,
         device: torch.device,
+        group: dist.ProcessGroup,
     ) -> None:
         part = split.part_of(rank)
         assert part is not None, f"rank {rank} has no part of {split}"
-        parent = process_group if process_group is not None else dist.group.WORLD
-        global_ranks = [dist.get_global_rank(parent, r) for r in split.ranks]
-        self.group = split_group(global_ranks)
+        global_ranks = global_split_ranks(split, process_group)
+        self.group = group
         self.src = dist.get_group_rank(self.group, global_ranks[0])  # the owner
         # gather/scatter lists are in group-rank order; part j sits at group rank order[j]
         self.order = [dist.get_group_rank(self.group, g) for g in global_ranks]

@@ -36,7 +36,7 @@ import torch.nn as nn
 from aligndp.optim.composite import BucketStepped, OptimizerPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
 from aligndp.optim.sharded import keeps_fp32_master, refresh_master
-from aligndp.optim.split_ns import SplitMatrix
+from aligndp.optim.split_ns import SplitMatrix, global_split_ranks, split_groups
 from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.plan.split import SplitPolicy
@@ -203,21 +203,30 @@ class WholeMatrixPart(OptimizerPart):
             (ref, [index[id(p)] for p in model.index.members[ref] if id(p) in index])
             for ref in model.index.refs_of(Mode.LAYERWISE)
         ]
-        # [Note: split Newton–Schulz]: this rank's side of every matrix it shares, its groups
-        # made here in bucket order (the same order on every rank). The plan's ranks are those
-        # of the collectives' group (a mesh's shard group; ``process_group`` may be wider)
-        self.splits: dict[int, SplitMatrix] = {}
-        for _, members in self._buckets:
-            for i in members:
-                split = model.index.slots[self.params[i]].slot.split
-                if split is not None and split.part_of(model.rank) is not None:
-                    self.splits[i] = SplitMatrix(
-                        self.params[i].shape,
-                        split,
-                        model.rank,
-                        model.collectives.group,
-                        model.device,
-                    )
+        # [Note: split Newton–Schulz]: this rank's side of every matrix it shares. The plan's
+        # ranks are those of the collectives' group (a mesh's shard group; ``process_group``
+        # may be wider); every rank of the job makes every split group, in plan order
+        # (split_groups: a collective even for a rank that shares no matrix)
+        group = model.collectives.group
+        mine = {
+            i: split
+            for _, members in self._buckets
+            for i in members
+            if (split := model.index.slots[self.params[i]].slot.split) is not None
+            and split.part_of(model.rank) is not None
+        }
+        made = split_groups([global_split_ranks(s, group) for s in mine.values()])
+        self.splits: dict[int, SplitMatrix] = {
+            i: SplitMatrix(
+                self.params[i].shape,
+                split,
+                model.rank,
+                group,
+                model.device,
+                made[tuple(sorted(global_split_ranks(split, group)))],
+            )
+            for i, split in mine.items()
+        }
 
     @property
     def owned(self) -> list[int]:
