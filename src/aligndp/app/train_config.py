@@ -76,7 +76,7 @@ class TrainConfig:
     wrapper's own forward stays eager). Default (neither flag): on for --device cuda where
     Triton is installed, off on CPU. Measured on one H200 at gpt2-small (bf16, batch 8x1024):
     21.7 ms per step against 41.3 eager and 37.0 with each block compiled on its own
-    (benchmarks/results/session10_2026-12-01.md); the first step pays a compile of tens of
+    (benchmarks/results/2026-12-01_compiled_step_and_fp8_weight_cache.md); the first step pays a compile of tens of
     seconds. On several GPUs the whole-model backward is one node, so bucket reductions start
     when it ends instead of overlapping it."""
     eval_every: int = 100

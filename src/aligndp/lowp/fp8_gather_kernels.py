@@ -8,7 +8,7 @@ float32 temporaries and a transpose per weight: on one H200 the 1b ZeRO-1 step a
 102.3 ms with FP8 gathers against 86.1 ms without. Here each is one launch per bucket, and the
 step is 88.0 ms against 87.8 (encode 1.3 ms, decode 2.1 ms with a 64x128 tile and 10-25 %
 less with the one kept, against 2.2 ms of the layers' own weight quantise that the gather
-saves; benchmarks/results/session20_2026-12-02.md):
+saves; benchmarks/results/2026-12-02_fp8_param_gather_cost.md):
 
 - :func:`encode` quantises every piece (``clamp(x / scale, ±448)`` to E4M3, the IEEE division
   of the CPU path) from its float32 master into the bucket's ``gather_data``;
@@ -38,7 +38,7 @@ __all__ = ["encode", "decode"]
 ENCODE_BLOCK, ENCODE_WARPS = 2048, 8
 """Elements and warps per program of :func:`encode`: the fastest of eight pairs (2048-16384
 elements, 4 or 8 warps) on H200 at 1b's four weight shapes, 2.3 TB/s
-(benchmarks/results/session20_2026-12-02.md)."""
+(benchmarks/results/2026-12-02_fp8_param_gather_cost.md)."""
 DECODE_TILE = (16, 256, 4)
 """(rows, cols, warps) per program of :func:`decode`: the fastest of the fifteen tiles tried on
 H200 at 1b's four weight shapes, 1.45-1.66 TB/s against 1.26-1.37 for 64x128 (same file)."""

@@ -28,7 +28,7 @@ recipe declares a :class:`GainRule`:
   layers (``FP8_BLOCK_SKIP``). When the rule was first measured it converted nothing up to
   8192 x 8192: 1.13-3.87 of bf16 per layer eager, and the 1b step with every block Linear
   compiled was 140.9 ms, 1.56 of bf16 + compile. Then the kernels and their host cost came
-  down, and in session 19 (benchmarks/results/session19_2026-12-02.md) the same step with
+  down, and in session 19 (benchmarks/results/2026-12-02_fp8_launch_host_cost.md) the same step with
   every block Linear was 0.958 and 0.970 of bf16 + compile in two runs, and 0.958 of bf16 eager
   in eager mode. MXFP8 keeps torchao 0.18's rowwise rule (``_auto_filter_for_rowwise``:
   skip out <= 2048, in <= 1024, or in <= 2048 and out <= 4096), unmeasured: Hopper has no

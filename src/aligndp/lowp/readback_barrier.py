@@ -10,7 +10,7 @@ load different thread layouts (triton-lang/triton#10924, open), and nothing orde
 thread can read elements that another warp has not written yet: stale bytes. On one H200
 (torch 2.11, Triton 3.6), a compiled 1x128 GPT of four 1b-width blocks whose every quantise
 went through the opaque ``aligndp::quantize_rc`` op read FP8 bytes the caching allocator had
-handed out before as float32 rows: NaN logits (benchmarks/results/session16_2026-12-02.md).
+handed out before as float32 rows: NaN logits (benchmarks/results/2026-12-02_triton_race_layernorm.md).
 pytorch/pytorch#190517 reports the same kernel shape on XPU, and #190519 proposed a barrier
 there; torch 2.13's Inductor has only the barrier for the opposite order (a load, then a store
 over it: triton-lang/triton#1615).
@@ -28,7 +28,7 @@ Scope and cost: the Hopper block backends install it when constructed
 operand through the one-pass kernel, which reads its input once for both layouts. Inductor's
 fused row and column quantise read it again per layout: 27.5 ms of GPU time per 1b step
 against the kernel's 7.4, a 105.5 ms step against 87.1 on one H200
-(benchmarks/results/session17_2026-12-02.md). From then on it applies to every graph the
+(benchmarks/results/2026-12-02_readback_barrier.md). From then on it applies to every graph the
 process compiles. A barrier adds one ``bar.sync`` per loop iteration of the kernels that read
 back, and none elsewhere.
 Where Inductor's code is not as this wrapper expects, :func:`install` returns False and the

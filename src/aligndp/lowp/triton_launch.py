@@ -47,7 +47,7 @@ scratch.
 Host descriptors cost the host, per call: five Gluon ``TensorDescriptor`` objects (their
 checks: 9.6 us on the H200's host), Triton's encoding of each into a ``CUtensorMap`` at every
 launch (4.7 us) and a longer launch key; the whole call went from 45.3 to 21.0 us
-(benchmarks/results/session19_2026-12-02.md). On the GPU, making them costs 2-7 us per GEMM
+(benchmarks/results/2026-12-02_fp8_launch_host_cost.md). On the GPU, making them costs 2-7 us per GEMM
 before the programs' first loads (0.6-2.9 % at 1b's shapes; made inside the warp-specialised
 partitions instead, no better). The 1b step with every block Linear in 1x128, compiled, went
 from 0.990-0.997 to 0.949-0.970 of bf16 + compile: its host had fallen behind its GPU. The
