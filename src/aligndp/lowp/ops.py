@@ -96,8 +96,8 @@ def write_wgrad(backend, sink, weight: torch.Tensor, parts: Sequence[torch.Tenso
 _LIB = torch.library.Library("aligndp", "DEF")
 """The ops below, defined by schema and registered with one kernel for every device: the
 dispatcher calls the function itself. (``torch.library.custom_op`` wraps it in Python that
-checks its outputs for aliasing on every call: 15.9 us of host per call against 3.0 here on
-our CPU, paid several times per layer and step in a compiled graph.) No autograd kernel: they
+checks its outputs for aliasing on every call: several times the host time of a call here,
+paid several times per layer and step in a compiled graph.) No autograd kernel: they
 run only inside compiled graphs, on tensors autograd does not record; called on one that
 requires grad, the output's backward raises, as a ``custom_op`` without a formula's does."""
 
