@@ -74,9 +74,8 @@ class TrainConfig:
     compile: bool | None = None
     """torch.compile the wrapped model (one graph for the forward, one for the backward; the
     wrapper's own forward stays eager). Default (neither flag): on for --device cuda where
-    Triton is installed, off on CPU: on one H200 at gpt2-small the compiled step is about half
-    the eager one, and faster than each block compiled on its own (docs/performance.md); the
-    first step pays a compile of tens of seconds. On several GPUs the whole-model backward is
+    Triton is installed, off on CPU (timings: docs/performance.md); the first step pays a
+    compile of tens of seconds. On several GPUs the whole-model backward is
     one node, so bucket reductions start when it ends instead of overlapping it."""
     eval_every: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
