@@ -112,3 +112,22 @@ def test_no_file_names_a_working_session():
             if SESSION.search(line):
                 found.append(f"{rel}:{number}: {line.strip()[:80]}")
     assert not found, "name results by date and topic, not by session:\n" + "\n".join(found)
+
+
+RESULT_PATH = re.compile(r"benchmarks/results/[A-Za-z0-9_./*-]+")
+
+
+def test_every_results_path_named_in_the_repository_exists():
+    """Source comments, DESIGN.md, benchmarks and docs cite results by path: a renamed or
+    removed file must take its citations with it."""
+    missing = []
+    for path in tracked_files():
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for cited in RESULT_PATH.findall(text):
+            cited = cited.rstrip(".,;:")
+            if "*" not in cited and not (ROOT / cited).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {cited}")
+    assert not missing, "cited results that do not exist:\n" + "\n".join(missing)
