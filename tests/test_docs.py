@@ -131,3 +131,21 @@ def test_every_results_path_named_in_the_repository_exists():
             if "*" not in cited and not (ROOT / cited).exists():
                 missing.append(f"{path.relative_to(ROOT)}: {cited}")
     assert not missing, "cited results that do not exist:\n" + "\n".join(missing)
+
+
+def _code(text: str) -> str:
+    """Python text without comments and whitespace, so a wrapped statement matches its
+    one-line form."""
+    return "".join(re.sub(r"#.*", "", line) for line in text.splitlines()).replace(" ", "")
+
+
+def test_readme_own_loop_snippet_is_the_example_code():
+    """Every line the README shows under "Your own training loop" is code of
+    examples/train_own_model.py, so the snippet cannot drift from the tested script."""
+    section = README.read_text().split("## Your own training loop", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    assert blocks, "the README's own-loop section shows no python block"
+    script = _code((ROOT / "examples" / "train_own_model.py").read_text())
+    lines = [_code(line) for block in blocks for line in block.splitlines()]
+    missing = [line for line in lines if line and line not in script]
+    assert not missing, f"README lines not in examples/train_own_model.py: {missing}"
