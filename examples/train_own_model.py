@@ -69,10 +69,10 @@ def train(args: argparse.Namespace) -> list[float]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     module = build_model(args.seed).to(device)
+    groups = param_groups(module)
     model, optimizer = aligndp.parallelize(
-        module, optimizer="adamw", sharding=args.sharding, lr=args.lr,
-        param_groups=param_groups(module),
-    )  # fmt: skip
+        module, optimizer="adamw", sharding=args.sharding, lr=args.lr, param_groups=groups
+    )
     scheduler = lr_schedule(optimizer, args.steps)
     out = pathlib.Path(args.out)
     checkpoint = out / "checkpoint"

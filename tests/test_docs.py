@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -149,3 +151,17 @@ def test_readme_own_loop_snippet_is_the_example_code():
     lines = [_code(line) for block in blocks for line in block.splitlines()]
     missing = [line for line in lines if line and line not in script]
     assert not missing, f"README lines not in examples/train_own_model.py: {missing}"
+
+
+def test_python_in_the_documents_is_ruff_formatted():
+    """The code blocks users copy are formatted as our code is (ruff formats ```python
+    blocks in Markdown, 100 columns)."""
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.importorskip("ruff", reason="ruff is in the test extras: pip install -e '.[test]'")
+        command = [sys.executable, "-m", "ruff"]
+    else:
+        command = [ruff]
+    command += ["format", "--check", "README.md", "DESIGN.md", "docs"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"ruff format --check:\n{done.stdout[-3000:]}{done.stderr[-1000:]}"
