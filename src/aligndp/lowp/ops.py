@@ -7,7 +7,7 @@ Python. What it cannot trace is a Triton launch (the Hopper backends' quantise a
 the grad sink: ``grad_target`` decides at run time whether the view is written or added to
 ([Note: write, not accumulate] in aligndp/plan/fused.py), and ``mark_ready`` may launch a
 bucket's collective. So, only while compiling (``torch.compiler.is_compiling()``; eager calls
-the same Python directly, without the ~5 us of a custom op's dispatch):
+the same Python directly, without the host time of a custom op's dispatch):
 
 - ``aligndp::scaled_mm`` wraps the Triton GEMMs, ``aligndp::quantize_rc`` the one-pass Triton
   block quantise (1x128 and MXFP8) of every operand; their fake impls give Inductor shapes and
