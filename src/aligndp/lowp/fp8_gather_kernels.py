@@ -95,7 +95,7 @@ def _decode_kernel(
     y = x.to(tl.float32) * scale
     tl.store(out + rm[:, None] * n + rn[None, :], y.to(out_like.dtype.element_ty), mask=mask)
     # transposed in registers, as bytes (reloading the tile with swapped strides, as the
-    # quantise's cast kernel does, took 1.4-1.8x as long here)
+    # quantise's cast kernel does, was slower here: docs/performance.md)
     mask_t = (rn[:, None] < n) & (rm[None, :] < m)
     dst_t = data_t.to(tl.pointer_type(tl.uint8), bitcast=True)
     tl.store(
