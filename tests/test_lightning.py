@@ -49,7 +49,7 @@ class Regression(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.05)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.8, 0.95), weight_decay=0.5)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
