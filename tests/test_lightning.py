@@ -40,6 +40,7 @@ class Regression(pl.LightningModule):
         self.lr = lr
         self.losses: list[float] = []
         self.lrs: list[float] = []
+        self.val_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -47,6 +48,10 @@ class Regression(pl.LightningModule):
         self.losses.append(loss.item())
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_losses.append(nn.functional.mse_loss(self.net(x), y).item())
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.8, 0.95), weight_decay=0.5)
@@ -124,14 +129,24 @@ def case_checkpoint_saved_and_resumed_through_lightning(rank, ws):
     assert rest.lrs == whole.lrs[RESUME:]  # the lr scheduler resumed too
     for p, q in zip(rest.parameters(), whole.parameters()):
         assert torch.equal(p, q)
-    # the weights alone (validate / test), read as plain DCP
+    # the weights alone, read as plain DCP: by hand, and by validate(ckpt_path=)
+    last = os.path.join(root, f"epoch={STEPS - 1}-step={STEPS}.ckpt")
     fresh = Regression()
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
-    load_weights(fresh, os.path.join(root, f"epoch={STEPS - 1}-step={STEPS}.ckpt"))
+    load_weights(fresh, last)
     for p, q in zip(fresh.parameters(), whole.parameters()):
         assert torch.equal(p, q)
+    checked = Regression()
+    trainer = pl.Trainer(
+        strategy=AlignDPStrategy(), accelerator="cpu", devices=ws, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.validate(checked, loader(ws), ckpt_path=last, verbose=False)
+    assert checked.val_losses == [
+        nn.functional.mse_loss(whole.net(x), y).item() for x, y in loader(ws)
+    ]
 
 
 @case(2)
