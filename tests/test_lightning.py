@@ -9,6 +9,8 @@ The ranks are tests/_dist.py's gloo world: Lightning finds the process group ini
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,6 +168,18 @@ def case_lightning_clipping_refused_with_the_alternative(rank, ws):
     )
     with pytest.raises(ValueError, match=r"AlignDPStrategy\(max_grad_norm=1.0\)"):
         trainer.fit(Regression(), loader(ws))
+
+
+def test_import_aligndp_loads_no_trainer():
+    """``import aligndp`` (the CLI's first import too) loads neither Lightning nor transformers;
+    only importing an integration module does."""
+    code = (
+        "import sys, aligndp; "
+        "print([m for m in ('lightning', 'transformers', 'accelerate') if m in sys.modules])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
 make_tests(globals())
