@@ -53,6 +53,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from aligndp.lowp.backends import WgradBackend
 from aligndp.lowp.layer_rule import capability_of, slow_reason
+from aligndp.lowp.linear_subclass import adopt, converted_class, linear_layers, subclass_why_not
 from aligndp.lowp.ops import compiling, fused_wgrad, register_layer
 from aligndp.lowp.recipe import Recipe
 from aligndp.lowp.recipes import get_backend, get_recipe
@@ -173,6 +174,9 @@ class MXLinear(nn.Linear):
     the quantised weight until the weight changes ([Note: weights once per step]).
     """
 
+    adopted_attrs = ("backend", "cache_weight", "_grad_sink", "_cached")
+    """Instance attributes an MXLinear sets on a layer it adopts ([Note: Linear subclasses])."""
+
     def __init__(
         self,
         in_features: int,
@@ -184,16 +188,19 @@ class MXLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._set_backend(backend, cache_weight)
+
+    def _set_backend(self, backend: str | WgradBackend, cache_weight: bool) -> None:
         backend = get_backend(backend)
         multiple = backend.recipe.layer_dim_multiple
-        for name, size in (("in_features", in_features), ("out_features", out_features)):
+        for name, size in (("in_features", self.in_features), ("out_features", self.out_features)):
             if size % multiple:
                 raise ValueError(
                     f"MXLinear needs {name} to be a multiple of {multiple} (the "
                     f"{backend.recipe.name} block, along which its GEMM contracts), got {size}; "
                     "keep this layer an nn.Linear or pad it"
                 )
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.backend = backend
         self._grad_sink: GradSink | None = None
         self.cache_weight = cache_weight
@@ -209,7 +216,14 @@ class MXLinear(nn.Linear):
         cache_weight: bool = True,
     ) -> MXLinear:
         """An MXLinear sharing ``linear``'s parameter objects (optimizers built on them keep
-        working)."""
+        working). A subclass of ``nn.Linear`` keeps its class and state under ``MXLinear``
+        ([Note: Linear subclasses]), or is refused with what it would lose."""
+        if type(linear) is not nn.Linear:
+            if why := subclass_why_not(linear, cls):
+                raise ValueError(f"cannot convert this {type(linear).__qualname__}: {why}")
+            new = adopt(linear, converted_class(cls, type(linear)))
+            new._set_backend(backend, cache_weight)
+            return new
         new = cls(
             linear.in_features,
             linear.out_features,
@@ -307,21 +321,24 @@ def conversion_plan(
     layers: str = "pays",
     capability: tuple[int, int] | None | str = "auto",
 ) -> list[tuple[str, str]]:
-    """``(name, why_not)`` for every ``nn.Linear`` of ``model``, in registration order:
-    ``why_not`` is "" for a layer ``recipe`` (a name or a Recipe) converts
-    (:meth:`~aligndp.lowp.recipe.Recipe.why_not`). ``capability``: the CUDA compute capability
-    the rule is judged for (None: a CPU); ``"auto"`` reads it from the model's first param."""
+    """``(name, why_not)`` for every ``nn.Linear`` of ``model`` (subclasses too, not those
+    already converted), in registration order: ``why_not`` is "" for a layer ``recipe`` (a
+    name or a Recipe) converts (:meth:`~aligndp.lowp.recipe.Recipe.why_not`; a subclass that
+    would lose behaviour says what, [Note: Linear subclasses]). ``capability``: the CUDA
+    compute capability the rule is judged for (None: a CPU); ``"auto"`` reads it from the
+    model's first param."""
     if not isinstance(recipe, Recipe):
         recipe = get_recipe(recipe)
     if capability == "auto":
         first = next(model.parameters(), None)
         capability = capability_of(first.device) if first is not None else None
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    linears = linear_layers(model, MXLinear)
     last, shared = (linears[-1][0] if linears else ""), _shared_weight_linears(model)
     plan = [
         (
             n,
-            recipe.why_not(
+            subclass_why_not(m, MXLinear)
+            or recipe.why_not(
                 n, m, last_linear=last, shared=shared, layers=layers, capability=capability
             ),
         )
@@ -342,6 +359,9 @@ def convert_to_mxfp8(
     cache_weight: bool = True,
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules of ``model`` (in place) for :class:`MXLinear`; return ``model``.
+    Subclasses of ``nn.Linear`` convert too, keeping their class and methods
+    ([Note: Linear subclasses]); one that would lose behaviour is kept (a ``filter`` that
+    picks it raises).
 
     ``backend`` (a name or instance) picks the recipe, MXFP8 by default. Which layers:
     ``layers="pays"`` (default) those whose GEMMs gain from FP8 on the model's device
@@ -356,8 +376,7 @@ def convert_to_mxfp8(
     if filter is None:
         chosen = {n for n, why in conversion_plan(model, backend.recipe, layers=layers) if not why}
         filter = lambda n, m: n in chosen  # noqa: E731
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
-    for name, module in linears:
+    for name, module in linear_layers(model, MXLinear):
         if not filter(name, module):
             continue
         parent_name, _, child = name.rpartition(".")
