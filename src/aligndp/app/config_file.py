@@ -76,7 +76,7 @@ def to_toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(str(value), ensure_ascii=False)
+    return json.dumps(str(value), ensure_ascii=False, allow_nan=False)
 
 
 def _example(cls: type, name: str) -> object:

@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     layouts = options.plan()
     if args.json:
         mesh = {"replicas": options.replicas, "shards": options.shard_size}
-        print(json.dumps({"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}))
+        doc = {"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}
+        print(json.dumps(doc, allow_nan=False))
     else:
         for layout in layouts:
             print(layout)
