@@ -347,7 +347,11 @@ CLI = [
         lambda t: ["train", "--resume", "--overwrite"],
         "pass one of them",
     ),
-    ("train --resume without checkpoints", lambda t: ["train", "--resume"], "holds no complete checkpoint"),
+    (
+        "train --resume without checkpoints",
+        lambda t: ["train", "--resume"],
+        "holds no complete checkpoint",
+    ),
     (
         "train --wgrad fp8 on CPU",
         lambda t: ["train", "--wgrad", "fp8"],

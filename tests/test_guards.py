@@ -83,7 +83,9 @@ def test_layout_png_draws_each_param_where_the_plan_puts_it_in_its_owners_colour
     tab10 = colormaps["tab10"]
     shapes = ["--shapes", "64x64,64x16", "--nproc", "2"]
     plan, bars = layout_and_bars(
-        [*shapes, "--sharding", "zero1", "--optimizer", "muon"], str(tmp_path / "lw.png"), monkeypatch
+        [*shapes, "--sharding", "zero1", "--optimizer", "muon"],
+        str(tmp_path / "lw.png"),
+        monkeypatch,
     )
     params = [p for buffer in plan["buffers"] for p in buffer["params"]]
     assert [p["owner"] for p in params] == [0, 1], "the test needs a param on each rank"

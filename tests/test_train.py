@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from aligndp.app import cli
-from aligndp.app.train import TrainConfig, add_arguments, config_from_args
 from aligndp.app.run_checkpoints import latest_checkpoint
 from aligndp.app.schedule import lr_factor
+from aligndp.app.train import TrainConfig, add_arguments, config_from_args
 from aligndp.app.train_report import MetricsLog, read_metrics
 from aligndp.state.checkpoint_files import META_FILE
 from tests.models import ADAMW_GAIN, MUON_GAIN, interrupted_copy, order_tolerance

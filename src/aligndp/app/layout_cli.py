@@ -1,7 +1,7 @@
 """`aligndp layout`: plan and show the flat buffer layout of a model, without building it.
 
 A preset model is built on the meta device, so even the 1B preset costs no memory; only
-the shapes of its trainable params reach the planner. Use it to see what padding a mode
+the shapes of its trainable params reach the planner. Use it to see what padding a sharding
 costs and where each param lands before a run, e.g.::
 
     python -m aligndp layout --preset 1b --nproc 8 --sharding zero1 --optimizer muon \
@@ -90,7 +90,7 @@ class LayoutOptions:
         if whole and self.mode is Mode.SHARDED:
             raise ValueError(
                 f"{self.optimizer} steps whole matrices, which ZeRO-1's slices cut apart: use "
-                "--mode layerwise (sharding='zero1') or --mode replicated (sharding='none')"
+                "a layer-wise buffer (sharding='zero1') or replicated ones (sharding='none')"
             )
         if self.dp_size < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.dp_size}")
