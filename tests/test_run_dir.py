@@ -20,6 +20,7 @@ import time
 import pytest
 
 from aligndp.app import cli
+from aligndp.app.run_checkpoints import latest_checkpoint
 from aligndp.app.run_dir import (
     IDENTITY,
     LOCK_FILE,
@@ -193,7 +194,8 @@ def test_layout_png_paths(tmp_path, capsys):
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
-    """Ctrl-C in a terminal signals the launcher and both ranks: a 40-line traceback before."""
+    """Ctrl-C in a terminal signals the launcher and both ranks: a 40-line traceback before,
+    and no checkpoint of the steps trained."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -234,6 +236,11 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert proc.returncode == 130, err
     assert lines == ["aligndp train: interrupted"], err
     assert not (tmp_path / LOCK_FILE).exists()
+    # both ranks finished the step under way and saved it: the run continues from there
+    saved = latest_checkpoint(str(tmp_path / "checkpoints"))
+    assert saved is not None, "Ctrl-C saves a checkpoint (unless --no-final-checkpoint)"
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    assert saved.endswith(f"step-{logged[-1]['step'] + 1:06d}"), (saved, logged[-1])
 
 
 def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):

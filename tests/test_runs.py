@@ -213,3 +213,21 @@ def test_every_json_the_package_writes_is_strict():
             if re.search(r"\bjson\.dumps?\(", line) and "allow_nan=False" not in line:
                 loose.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
     assert not loose, loose
+
+
+def test_undefined_figures_are_null(tmp_path):
+    """A diverged loss (NaN) or a rate over no timed step is written as null: strict JSON."""
+    from aligndp.app.train_report import MetricsLog, dumps
+
+    assert dumps({"a": float("nan"), "b": [float("inf"), 1.5]}) == '{"a": null, "b": [null, 1.5]}'
+    log = MetricsLog(str(tmp_path / "metrics.jsonl"))
+    log.write({"step": 0, "loss": float("nan"), "lr": 0.1})
+    assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 0, "loss": None, "lr": 0.1}]
+
+
+def strict_json_lines(path) -> list[dict]:
+    def refuse(name):
+        raise ValueError(f"{path}: {name} is not JSON")
+
+    lines = pathlib.Path(path).read_text().splitlines()
+    return [json.loads(line, parse_constant=refuse) for line in lines]
