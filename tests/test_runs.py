@@ -45,16 +45,17 @@ def error_line(capsys) -> str:
 
 @pytest.fixture(scope="module")
 def four_steps(tmp_path_factory):
-    """A 4-step run with a checkpoint at step 2 and the final one at step 4."""
+    """A 4-step run with a checkpoint at step 3 (--checkpoint-every) and the final one at step 4
+    (saved by default)."""
     out = tmp_path_factory.mktemp("four")
-    assert train("--steps", "4", "--checkpoint-every", "2", out=out) == 0
+    assert train("--steps", "4", "--checkpoint-every", "3", out=out) == 0
     return out
 
 
 def test_the_default_run_keeps_its_weights(four_steps, capsys):
     assert sorted(os.listdir(four_steps / "checkpoints")) == [
         "run.json",
-        "step-000002",
+        "step-000003",
         "step-000004",
     ]
     assert strict_json(four_steps / "summary.json")["checkpoint"] == str(
@@ -89,12 +90,12 @@ def test_resume_extends_a_finished_run(four_steps, tmp_path, capsys):
 
 
 def test_resume_from_an_earlier_checkpoint_retrains_the_same_steps(four_steps, tmp_path):
-    assert train("--steps", "4", "--resume-from", str(four_steps / "checkpoints" / "step-000002"),
+    assert train("--steps", "4", "--resume-from", str(four_steps / "checkpoints" / "step-000003"),
                  out=tmp_path) == 0  # fmt: skip
     resumed = read_metrics(tmp_path / "metrics.jsonl")
     reference = read_metrics(four_steps / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [2, 3]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[2:]]
+    assert [r["step"] for r in resumed] == [3]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[3:]]
 
 
 def test_resume_takes_the_newest_complete_checkpoint(four_steps, tmp_path, capsys):
