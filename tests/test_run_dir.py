@@ -51,7 +51,7 @@ def error_line(capsys) -> str:
 def test_fresh_run_into_another_run_refuses_and_overwrite_keeps_user_files(tmp_path, capsys):
     assert train("--checkpoint-every", "2", out=tmp_path) == 0
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["config"]["steps"] == 4 and len(run["run_id"]) == 12
+    assert run["options"]["steps"] == 4 and len(run["run_id"]) == 12
     (tmp_path / "my-notes.txt").write_text("mine")
     capsys.readouterr()
     assert train(out=tmp_path) == 2
@@ -251,10 +251,10 @@ def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
         "import os, signal\n"
         "import aligndp.app.train_loop as loop\n"
         "original = loop._train_step\n"
-        "def dying(job, step):\n"
+        "def dying(job, step, *rest):\n"
         "    if step == 3 and job.rank == 1:\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return original(job, step)\n"
+        "    return original(job, step, *rest)\n"
         "loop._train_step = dying\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
@@ -289,10 +289,10 @@ def test_a_rank_left_behind_ends_the_run_within_timeout(tmp_path, capsys, monkey
         "import time\n"
         "import aligndp.app.train_loop as loop\n"
         "original = loop._train_step\n"
-        "def stalling(job, step):\n"
+        "def stalling(job, step, *rest):\n"
         "    if step == 3 and job.rank == 1:\n"
         "        time.sleep(120)\n"
-        "    return original(job, step)\n"
+        "    return original(job, step, *rest)\n"
         "loop._train_step = stalling\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
