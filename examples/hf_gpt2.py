@@ -1,28 +1,28 @@
 """aligndp on an unmodified Hugging Face model: a small GPT-2 trained on 2 gloo ranks.
 
-    pip install transformers        # or: pip install -e '.[hf]'
-    python examples/hf_gpt2.py --steps 30
+    pip install -e '.[hf]'          # or: pip install transformers
+    torchrun --nproc-per-node 2 examples/hf_gpt2.py --steps 30
 
 The model is ``transformers.GPT2LMHeadModel`` built from a ``GPT2Config`` (random weights,
 nothing downloaded), with the output head tied to the token embedding, so one parameter is
 used twice per step. ``aligndp.parallelize`` wraps it as it is: no change to the model's code.
-The data is aligndp's embedded synthetic arithmetic (byte-level, vocab 256).
+The data: byte-level sums such as ``12+7=19;``, made here from ``(seed, step)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import aligndp
-from aligndp.app.data import BatchSpec, TokenData
-from aligndp.app.train import launch_local
 
 SEQ_LEN = 64
-BATCH_SIZE = 8
+BATCH_SIZE = 8  # global: each rank takes its rows
 LR = 3e-3
 
 
@@ -48,59 +48,67 @@ def build_model(seed: int = 0):
     return GPT2LMHeadModel(config)
 
 
+def global_batch(step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of ``step``, each ``(BATCH_SIZE, SEQ_LEN)`` bytes of sums; the
+    targets are the inputs shifted by one. The same on every rank."""
+    rng = random.Random(seed * 1_000_003 + step)
+    rows = []
+    for _ in range(BATCH_SIZE):
+        text = ""
+        while len(text) <= SEQ_LEN:
+            a, b = rng.randrange(100), rng.randrange(100)
+            text += f"{a}+{b}={a + b};"
+        rows.append(list(text[: SEQ_LEN + 1].encode()))
+    tokens = torch.tensor(rows)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def loss_of(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; ``targets`` are ``inputs`` shifted by one
-    (aligndp.app.data)."""
+    """Mean next-token cross-entropy."""
     logits = model(input_ids=inputs).logits  # (batch, seq_len, vocab)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def train_rank(steps: int, seed: int) -> dict:
-    """One rank: wrap the HF model, train on this rank's rows of each global batch."""
+def train(steps: int, seed: int) -> list[float]:
+    """Wrap the HF model, train on this rank's rows of each global batch; the global losses."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = aligndp.parallelize(build_model(seed), optimizer="adamw", lr=LR)
+    hf = model.module
+    if hf.lm_head.weight is not hf.transformer.wte.weight:
+        raise RuntimeError("the head is no longer tied to the token embedding after parallelize()")
+    losses = []
+    for step in range(steps):
+        inputs, targets = (t.chunk(world_size)[rank] for t in global_batch(step, seed))
+        loss = loss_of(model, inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # the loss of the whole global batch
+        losses.append(mean_loss.item() / world_size)
+        if rank == 0 and (step % 10 == 0 or step == steps - 1):
+            print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
+    if rank == 0:
+        numel = sum(p.numel() for p in hf.parameters())
+        print(f"GPT2LMHeadModel, {numel:,} params on {world_size} ranks", flush=True)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--losses", help="write the global losses to this JSON file (rank 0)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        rank, dp_size = dist.get_rank(), dist.get_world_size()
-        model, optimizer = aligndp.parallelize(build_model(seed), optimizer="adamw", lr=LR)
-        hf = model.module
-        if hf.lm_head.weight is not hf.transformer.wte.weight:
-            raise RuntimeError(
-                "the head is no longer tied to the token embedding after parallelize()"
-            )
-        data = TokenData.synthetic()
-        spec = BatchSpec(BATCH_SIZE, SEQ_LEN, dp_size=dp_size)
-        losses = []
-        for step in range(steps):
-            inputs, targets = data.batch(step, spec, seed=seed, rank=rank)
-            loss = loss_of(model, inputs, targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            global_loss = loss.detach().reshape(1)
-            dist.all_reduce(global_loss)
-            losses.append(global_loss.item() / dp_size)
-            if rank == 0 and (step % 10 == 0 or step == steps - 1):
-                print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
-        numel = sum(p.numel() for p in hf.parameters())
-        padding = sum(layout.padding_numel for layout in model.layouts)
-        return {"losses": losses, "numel": numel, "padding_numel": padding}
+        losses = train(args.steps, args.seed)
+        if args.losses and dist.get_rank() == 0:
+            with open(args.losses, "w") as f:
+                json.dump(losses, f)
     finally:
         dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    result = launch_local(train_rank, args.nproc, args.steps, args.seed)[0]
-    print(
-        f"GPT2LMHeadModel, {result['numel']:,} params on {args.nproc} ranks "
-        f"({result['padding_numel']:,} padding elements in the grad buffers): "
-        f"loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}"
-    )
-    return result
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ class WgradBackend(abc.ABC):
             self.name = name
         self.caches_weight = type(self).quantize_weight is not WgradBackend.quantize_weight
         """It overrides :meth:`quantize_weight`: a layer keeps what that returns (otherwise
-        it skips the cache's per-forward key check, about 40 us of host on a CPU)."""
+        it skips the cache's per-forward key check, host time on every forward)."""
 
     @property
     def block(self) -> int:

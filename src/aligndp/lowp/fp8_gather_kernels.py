@@ -4,11 +4,11 @@ GPU only, imported on a codec's first CUDA call.
 [Note: one launch per bucket]
 An FP8 param gather encodes every owned piece of a bucket before its all-gather, and decodes
 every weight of it after. Done a weight at a time in torch ops that was seven launches, two
-float32 temporaries and a transpose per weight: on one H200 the 1b ZeRO-1 step at dp 1 took
-102.3 ms with FP8 gathers against 86.1 ms without. Here each is one launch per bucket, and the
-step is 88.0 ms against 87.8 (encode 1.3 ms, decode 2.1 ms with a 64x128 tile and 10-25 %
-less with the one kept, against 2.2 ms of the layers' own weight quantise that the gather
-saves; benchmarks/results/session20_2026-12-02.md):
+float32 temporaries and a transpose per weight, which made the 1b ZeRO-1 step at dp 1 on one
+H200 markedly slower with FP8 gathers than without. Here each is one launch per bucket, and the
+step costs about what it did with bf16 gathers: the encode and decode take about the time of
+the layers' own weight quantise that the gather saves (docs/performance.md;
+benchmarks/results/2026-12-02_fp8_param_gather_cost.md):
 
 - :func:`encode` quantises every piece (``clamp(x / scale, ±448)`` to E4M3, the IEEE division
   of the CPU path) from its float32 master into the bucket's ``gather_data``;
@@ -37,11 +37,11 @@ __all__ = ["encode", "decode"]
 
 ENCODE_BLOCK, ENCODE_WARPS = 2048, 8
 """Elements and warps per program of :func:`encode`: the fastest of eight pairs (2048-16384
-elements, 4 or 8 warps) on H200 at 1b's four weight shapes, 2.3 TB/s
-(benchmarks/results/session20_2026-12-02.md)."""
+elements, 4 or 8 warps) on H200 at 1b's four weight shapes
+(benchmarks/results/2026-12-02_fp8_param_gather_cost.md)."""
 DECODE_TILE = (16, 256, 4)
 """(rows, cols, warps) per program of :func:`decode`: the fastest of the fifteen tiles tried on
-H200 at 1b's four weight shapes, 1.45-1.66 TB/s against 1.26-1.37 for 64x128 (same file)."""
+H200 at 1b's four weight shapes, faster than the 64x128 tile first used (same file)."""
 SCALE_STRIDE = 64
 """float32 elements between two scales that :func:`decode` sets apart (256 bytes)."""
 _MAX_TABLES = 4096
@@ -95,7 +95,7 @@ def _decode_kernel(
     y = x.to(tl.float32) * scale
     tl.store(out + rm[:, None] * n + rn[None, :], y.to(out_like.dtype.element_ty), mask=mask)
     # transposed in registers, as bytes (reloading the tile with swapped strides, as the
-    # quantise's cast kernel does, took 1.4-1.8x as long here)
+    # quantise's cast kernel does, was slower here: docs/performance.md)
     mask_t = (rn[:, None] < n) & (rm[None, :] < m)
     dst_t = data_t.to(tl.pointer_type(tl.uint8), bitcast=True)
     tl.store(

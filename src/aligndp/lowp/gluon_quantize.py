@@ -17,16 +17,16 @@ filling whole 32-byte sectors. The maximum propagates NaN, so one reduction find
 blocks (scale byte 255, as :mod:`aligndp.lowp.mx_format`); sm_90's ``cvt.rn.satfinite`` saturates
 and keeps NaN, so no clamp is needed.
 
-A 128 x 128 tile of 1x128 blocks holds 16 K elements, more than one warp can hold in registers,
-so in any one layout the blocks of one of the two directions span warps. Reducing across warps
-(shared memory and barriers for each maximum) made the column half the slower one (0.76 of a
-copy alone, 0.75 both ways). Instead the tile is quantised row-wise in its load layout, where a
-row block sits in one warp, then moved once, through shared memory, into a second layout where
-a column block sits in one warp (:data:`_COLUMN_LAYOUTS`): 0.83 of a copy both ways. The grid
-is persistent, two 4-warp programs per SM, each loading its next tile before quantising this
-one. Registers (246 per thread) are not what holds it there: variants with 111-165 registers and
-twice the warps per SM, a shared-memory staged tile, other tile orders and cheaper divisions all
-land on the same 78-80 us (benchmarks/results/quantise_1x128_2026-11-30.md).
+A 128 x 128 tile of 1x128 blocks holds 16 K elements, more than one warp can hold in registers, so
+in any one layout the blocks of one of the two directions span warps. Reducing across warps (shared
+memory and barriers for each maximum) made the column half the slower one. Instead the tile is
+quantised row-wise in its load layout, where a row block sits in one warp, then moved once, through
+shared memory, into a second layout where a column block sits in one warp (:data:`_COLUMN_LAYOUTS`),
+faster both ways (docs/performance.md). The grid is persistent, two 4-warp programs per SM, each
+loading its next tile before quantising this one. Registers (246 per thread) are not what holds it
+there: variants with 111-165 registers and twice the warps per SM, a shared-memory staged tile,
+other tile orders and cheaper divisions all land on the same time
+(benchmarks/results/quantise_1x128_2026-11-30.md).
 """
 
 from __future__ import annotations

@@ -16,32 +16,30 @@ recipe declares a :class:`GainRule`:
   on H200 in a *whole training step* (``benchmarks/fp8_step.py``, bf16 autocast, fp32 params,
   batch 8 x 1024; benchmarks/results/fp8_step_2026-12-01.md), because a Linear timed alone
   misleads: ``benchmarks/fp8_layer_sweep.py`` issues one layer's fwd+bwd back to back, which
-  is host-bound at these sizes (per-tensor "lost" there at 1b's 2048x6144, 1.40 compiled), while
-  in a compiled step the host runs ahead and the GPU time decides — per-kernel GPU time of that
-  layer, compiled: 0.73 ms per-tensor against 0.89 bf16 and 0.82 torchao float8 (2048x8192:
-  0.92 / 1.15 / 0.99; 8192x2048: 0.95 / 1.27 / 0.99). The 1b step, compiled: every block Linear
-  per-tensor 80.4 ms, only the 8192->2048 ones 89.3, bf16 90.5, torchao float8 83.6. So
-  per-tensor converts where ``in >= 2048`` and ``out >= 2048`` (``FP8_TENSOR_SKIP``: all four
-  of 1b's block Linears); gpt2-small's 768-wide ones stay (per-tensor 2.2-2.8 of bf16 per
-  layer eager, every layer converted 1.51 of the bf16 step eager, torchao float8 + compile 1.26
-  of bf16 + compile); widths between 768 and 2048 are not measured. 1x128 converts the same
-  layers (``FP8_BLOCK_SKIP``). When the rule was first measured it converted nothing up to
-  8192 x 8192: 1.13-3.87 of bf16 per layer eager, and the 1b step with every block Linear
-  compiled was 140.9 ms, 1.56 of bf16 + compile. Then the kernels and their host cost came
-  down, and in session 19 (benchmarks/results/session19_2026-12-02.md) the same step with
-  every block Linear was 0.958 and 0.970 of bf16 + compile in two runs, and 0.958 of bf16 eager
-  in eager mode. MXFP8 keeps torchao 0.18's rowwise rule (``_auto_filter_for_rowwise``:
+  is host-bound at these sizes (per-tensor "lost" there at 1b's 2048x6144), while in a compiled
+  step the host runs ahead and the GPU time decides: per-kernel GPU time of that layer,
+  compiled, is lower per-tensor than bf16 and torchao float8, and so is the 1b step with every
+  block Linear per-tensor, below the step with only the 8192->2048 ones converted (figures in
+  docs/performance.md). So per-tensor converts where ``in >= 2048`` and ``out >= 2048``
+  (``FP8_TENSOR_SKIP``: all four of 1b's block Linears); gpt2-small's 768-wide ones stay
+  (per-tensor slower than bf16 per layer and in the whole step, and torchao float8 + compile
+  slower than bf16 + compile there); widths between 768 and 2048 are not measured. 1x128
+  converts the same layers (``FP8_BLOCK_SKIP``). When the rule was first measured it converted
+  nothing up to 8192 x 8192 (slower than bf16 per layer, and in the compiled 1b step); then the
+  kernels and their host cost came down (benchmarks/results/2026-12-02_fp8_launch_host_cost.md),
+  and the same step with every block Linear got faster than bf16 + compile, and eager than bf16
+  eager. MXFP8 keeps torchao 0.18's rowwise rule (``_auto_filter_for_rowwise``:
   skip out <= 2048, in <= 1024, or in <= 2048 and out <= 4096), unmeasured: Hopper has no
   MXFP8 fast path. The measured token count is 8192; fewer tokens per step gain less.
 
 The ``bf16`` recipe quantises nothing ([Note: fused bf16 wgrad] in recipe_bf16.py); what it
 saves per layer is two memory passes over the weight gradient, what it costs is a Python
 autograd.Function per layer, and under ``torch.compile`` the fused-wgrad custom op's dispatch
-(about 0.1 ms of host per layer and step on H200, measured while the op went through torch's
-``custom_op`` wrapper; ops.py now registers it directly, 3 us a call instead of 16 on a CPU).
+(host time per layer and step, measured on H200 while the op went through torch's
+``custom_op`` wrapper; ops.py now registers it directly, a fraction of that per call).
 So it gains where the GEMMs are large: in the 1b step (every Linear ``in, out >= 2048``, head
-included) eager 0.990 of plain torch where the unconverted wrapper is 1.020; at gpt2-small
-(768 wide) it loses, eager 1.023 against 1.008 and compiled host-bound (27 ms against 21).
+included) eager it beats plain torch, where the unconverted wrapper trails it; at gpt2-small
+(768 wide) it loses, eager and, host-bound, compiled (docs/performance.md).
 ``FUSED_BF16_SKIP`` keeps the same box as per-tensor FP8; it needs a CUDA GPU (sm_80+: a
 CPU has no GEMM with a float32 output of bf16 operands, so the operands are widened first).
 

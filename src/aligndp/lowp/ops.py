@@ -7,7 +7,7 @@ Python. What it cannot trace is a Triton launch (the Hopper backends' quantise a
 the grad sink: ``grad_target`` decides at run time whether the view is written or added to
 ([Note: write, not accumulate] in aligndp/plan/fused.py), and ``mark_ready`` may launch a
 bucket's collective. So, only while compiling (``torch.compiler.is_compiling()``; eager calls
-the same Python directly, without the ~5 us of a custom op's dispatch):
+the same Python directly, without the host time of a custom op's dispatch):
 
 - ``aligndp::scaled_mm`` wraps the Triton GEMMs, ``aligndp::quantize_rc`` the one-pass Triton
   block quantise (1x128 and MXFP8) of every operand; their fake impls give Inductor shapes and
@@ -96,8 +96,8 @@ def write_wgrad(backend, sink, weight: torch.Tensor, parts: Sequence[torch.Tenso
 _LIB = torch.library.Library("aligndp", "DEF")
 """The ops below, defined by schema and registered with one kernel for every device: the
 dispatcher calls the function itself. (``torch.library.custom_op`` wraps it in Python that
-checks its outputs for aliasing on every call: 15.9 us of host per call against 3.0 here on
-our CPU, paid several times per layer and step in a compiled graph.) No autograd kernel: they
+checks its outputs for aliasing on every call: several times the host time of a call here,
+paid several times per layer and step in a compiled graph.) No autograd kernel: they
 run only inside compiled graphs, on tensors autograd does not record; called on one that
 requires grad, the output's backward raises, as a ``custom_op`` without a formula's does."""
 

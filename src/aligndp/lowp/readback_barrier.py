@@ -10,7 +10,8 @@ load different thread layouts (triton-lang/triton#10924, open), and nothing orde
 thread can read elements that another warp has not written yet: stale bytes. On one H200
 (torch 2.11, Triton 3.6), a compiled 1x128 GPT of four 1b-width blocks whose every quantise
 went through the opaque ``aligndp::quantize_rc`` op read FP8 bytes the caching allocator had
-handed out before as float32 rows: NaN logits (benchmarks/results/session16_2026-12-02.md).
+handed out before as float32 rows: NaN logits
+(benchmarks/results/2026-12-02_triton_race_layernorm.md).
 pytorch/pytorch#190517 reports the same kernel shape on XPU, and #190519 proposed a barrier
 there; torch 2.13's Inductor has only the barrier for the opposite order (a load, then a store
 over it: triton-lang/triton#1615).
@@ -24,16 +25,14 @@ reads the rows that the same program stored (each program owns its ``xindex`` ro
 every loop). Kernels without a read-back are generated as before.
 
 Scope and cost: the Hopper block backends install it when constructed
-(:class:`~aligndp.lowp.triton_backend.TritonBackend`), and then quantise every compiled
-operand through the one-pass kernel, which reads its input once for both layouts. Inductor's
-fused row and column quantise read it again per layout: 27.5 ms of GPU time per 1b step
-against the kernel's 7.4, a 105.5 ms step against 87.1 on one H200
-(benchmarks/results/session17_2026-12-02.md). From then on it applies to every graph the
-process compiles. A barrier adds one ``bar.sync`` per loop iteration of the kernels that read
-back, and none elsewhere.
-Where Inductor's code is not as this wrapper expects, :func:`install` returns False and the
-backends keep quantising compiled activations in torch ops: there the quantise is fused into
-the LayerNorm kernel, which then stores its bf16 result once and does not read it back.
+(:class:`~aligndp.lowp.triton_backend.TritonBackend`), and then quantise every compiled operand
+through the one-pass kernel, which reads its input once for both layouts. Inductor's fused row and
+column quantise read it again per layout, several times the kernel's GPU time in a 1b step on one
+H200 (benchmarks/results/2026-12-02_readback_barrier.md). From then on it applies to every graph the
+process compiles. A barrier adds one ``bar.sync`` per loop iteration of the kernels that read back,
+and none elsewhere. Where Inductor's code is not as this wrapper expects, :func:`install` returns
+False and the backends keep quantising compiled activations in torch ops: there the quantise is
+fused into the LayerNorm kernel, which then stores its bf16 result once and does not read it back.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ No bf16 wgrad, no cast, no copy; and the wgrad is no longer rounded to bf16 befo
 summed, so it is closer to the float32 value than autocast's. Megatron-LM calls this
 gradient-accumulation fusion.
 
-Measured on H200 (benchmarks/results/session13_2026-12-02.md), the 1b model's wgrad GEMMs at
-8192 tokens: 2.87 ms per set of five shapes as autocast does them (bf16 GEMM and the float32
-cast), 3.16 with the wrapper's copy, 2.59 fused.
+Measured on H200 (benchmarks/results/2026-12-02_bf16_wgrad_recipe.md), the 1b model's wgrad
+GEMMs fused are faster than as autocast does them (bf16 GEMM and the float32 cast), and than
+that plus the wrapper's copy.
 
 The GEMMs compute in ``x``'s dtype, which :class:`~aligndp.lowp.MXLinear` has cast to the
 autocast dtype (bf16 or fp16) when autocast is on, and which is the weight's dtype otherwise

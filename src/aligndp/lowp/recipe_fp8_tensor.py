@@ -25,8 +25,8 @@ the ``E4M3_MAX`` divisor is made once per device. CUDA: two launches and at most
 allocation, none for ``grad_out``, which the backward quantises into a workspace it uses up
 before the next backward (``x`` and the weight are saved for backward or cached, so they get
 storage of their own). Each launch skips Triton's per-call binder and cache key
-([Note: cheap launches] in triton_launch.py; on H200, 13.1 us of host per launch through
-``kernel[grid]``, 5.6 us for the bare cached launch, to which the wrapper adds its key), and a
+([Note: cheap launches] in triton_launch.py: the bare cached launch, to which the wrapper
+adds its key, costs the host about half of ``kernel[grid]``), and a
 workspace keeps its views with its buffer (a new allocation adds five view ops). Two launches
 are the floor for current scaling: no element can be cast before the whole tensor's amax is
 known, a grid-wide reduction, and Triton has no grid-wide barrier (a persistent kernel

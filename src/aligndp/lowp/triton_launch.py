@@ -4,11 +4,10 @@ first launch), so the key rules below are tested on CPU.
 
 [Note: cheap launches]
 Why: the eager FP8 recipes are host-bound. On one H200 (Triton 3.6, torch 2.11) the host time
-of one launch of fp8-tensor's amax kernel (768x768 bf16) was 13.1 us through ``kernel[grid](...)``
-(Triton's ``JITFunction.run``: binder, specialization, cache key, launch metadata, hooks) and
-5.6 us through the cached ``CompiledKernel``'s own ``run`` with the driver's current stream
-(10.4 us with the stream from ``torch.cuda.current_stream().cuda_stream``); a whole fp8-tensor
-quantise (two launches) took 63 us.
+of one launch through ``kernel[grid](...)`` (Triton's ``JITFunction.run``: binder,
+specialization, cache key, launch metadata, hooks) was more than twice that through the cached
+``CompiledKernel``'s own ``run`` with the driver's current stream (the stream from
+``torch.cuda.current_stream().cuda_stream`` costs more); figures in docs/performance.md.
 
 How: the first call for a specialization goes through ``kernel[grid](...)``, which compiles (or
 finds) the kernel and returns its ``CompiledKernel``; that kernel is cached under
@@ -17,14 +16,13 @@ the same key call ``CompiledKernel.run(grid0, grid1, grid2, stream, function, pa
 None, None, None, *args)`` -- the call ``JITFunction.run`` itself ends with (Triton 3.6), without
 launch metadata and hooks (Triton 3.6's hook slots default to an empty ``HookChain``, not None,
 so its own path builds launch metadata and calls both chains on every launch). What the
-wrapper adds is its key. On the GPU host it was 9.2 us for the 1x128 GEMM's 15 arguments
-(five of them host tensor descriptors, since moved to the device below:
+wrapper adds is its key. On the GPU host it was a large part of the call for the 1x128 GEMM's
+15 arguments (five of them host tensor descriptors, since moved to the device below:
 [Note: descriptors on the device]), so the key is cheap by construction: what to read at each
 position is worked out once per tuple of argument types (:class:`_Plan`), and a call's key is
 then the types, C-level gathers of the constexpr values and identities, and one short loop
-each over its tensors and ints (on a shared 2-core CPU: 5.2 -> 4.5 us for the GEMM's 19
-arguments, 6.6 -> 4.0 us for the quantise's 21 passed in signature order rather than by
-keyword). Kernels are
+each over its tensors and ints (arguments passed in signature order rather than by keyword
+made the key cheaper still on a CPU). Kernels are
 called with their arguments in signature order where that is easy: binding keywords to
 positions is Python work per call.
 
@@ -45,12 +43,13 @@ The 1x128 Gluon GEMM (gluon_gemm.py) takes plain pointers and makes its five TMA
 itself (``tma.make_tensor_descriptor``), each program into its slice of the launch's global
 scratch.
 Host descriptors cost the host, per call: five Gluon ``TensorDescriptor`` objects (their
-checks: 9.6 us on the H200's host), Triton's encoding of each into a ``CUtensorMap`` at every
-launch (4.7 us) and a longer launch key; the whole call went from 45.3 to 21.0 us
-(benchmarks/results/session19_2026-12-02.md). On the GPU, making them costs 2-7 us per GEMM
-before the programs' first loads (0.6-2.9 % at 1b's shapes; made inside the warp-specialised
-partitions instead, no better). The 1b step with every block Linear in 1x128, compiled, went
-from 0.990-0.997 to 0.949-0.970 of bf16 + compile: its host had fallen behind its GPU. The
+checks), Triton's encoding of each into a ``CUtensorMap`` at every launch and a longer launch
+key; on the device the whole call's host time about halved
+(benchmarks/results/2026-12-02_fp8_launch_host_cost.md). On the GPU, making them costs a few
+microseconds per GEMM before the programs' first loads, a few percent of the kernel at 1b's
+shapes (made inside the warp-specialised partitions instead, no better). The 1b step with
+every block Linear in 1x128, compiled, got faster against bf16 + compile: its host had fallen
+behind its GPU (docs/performance.md). The
 scratch comes from the allocator Triton asks at launch (``triton.set_allocator``): a thread
 that has none (autograd runs backward on a thread of its own, and Triton keeps the allocator
 per thread) gets torch's caching allocator on its first launch; one the user set is used as

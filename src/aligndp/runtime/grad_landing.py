@@ -3,21 +3,20 @@ views, and which direct views ``zero_grad`` may therefore leave as they are: one
 :class:`Landing` per :class:`~aligndp.runtime.grad_sync.GradReducer` (``reducer.landing``).
 
 [Note: one copy per bucket]
-Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into
-the buffer: one kernel launch per param on the host, where plain torch *steals* the tensor
-the backward made (no kernel). Under ``torch.compile`` the backward's own launches are few, so
-those per-param launches were most of aligndp's extra host time (one H200, gpt2-small: 150
-elementwise kernels, 0.7 ms of GPU time and about 4 ms more host time per step than plain
-torch). So once a synchronised backward has shown which params arrive (the readiness hints),
-a bucket whose params each arrived exactly once, and whose collective therefore launches
-during backward, *defers*: its params are not armed, AccumulateGrad steals their gradients,
-the hook keeps each (``BucketGroup.deferred``), and the group's launch copies them all into
-the buffer with one ``torch._foreach_copy_`` (a few multi-tensor kernels) before its
-collective, then makes each ``param.grad`` the view, as the armed path would have. A
-deferred gradient lives until its bucket launches: at most about one bucket of extra memory,
-since only buckets that launch during backward defer (the first backward, a bucket holding a
-param unused last time, ``no_sync`` rounds and fused-wgrad params keep the armed path). Anything
-that reads a view before its launch (``param.main_grad``, the end of backward) flushes first.
+Arming ``param.grad`` with its view makes autograd's AccumulateGrad *add* each gradient into the
+buffer: one kernel launch per param on the host, where plain torch *steals* the tensor the backward
+made (no kernel). Under ``torch.compile`` the backward's own launches are few, so those per-param
+launches were most of aligndp's extra host time over plain torch (one H200, gpt2-small;
+docs/performance.md). So once a synchronised backward has shown which params arrive (the readiness
+hints), a bucket whose params each arrived exactly once, and whose collective therefore launches
+during backward, *defers*: its params are not armed, AccumulateGrad steals their gradients, the hook
+keeps each (``BucketGroup.deferred``), and the group's launch copies them all into the buffer with
+one ``torch._foreach_copy_`` (a few multi-tensor kernels) before its collective, then makes each
+``param.grad`` the view, as the armed path would have. A deferred gradient lives until its bucket
+launches: at most about one bucket of extra memory, since only buckets that launch during backward
+defer (the first backward, a bucket holding a param unused last time, ``no_sync`` rounds and
+fused-wgrad params keep the armed path). Anything that reads a view before its launch
+(``param.main_grad``, the end of backward) flushes first.
 
 [Note: deferring buckets are not zeroed]
 A deferring bucket's views are overwritten by its copy, so ``zero_grad`` leaves them as they
@@ -26,7 +25,7 @@ neighbouring ones in one op: once every param arrives once per step, nothing is 
 all. Where a view of such a bucket is still stale when something reads it (an unused param at
 its bucket's launch, ``param.main_grad``), ``_take`` zeroes that view alone. A bucket holding a
 param that keeps its own ``Parameter`` subclass (its ``main_grad`` is read without us) is
-zeroed as before. On one H200 the whole-buffer zeroing was about 1.2 ms of a 92 ms 1b step.
+zeroed as before. On one H200 the whole-buffer zeroing was a visible part of a 1b step.
 
 [Note: one rank collects at the end]
 One rank alone (dp 1, no replicas) reduces nothing, so there is nothing to overlap and no
@@ -41,40 +40,38 @@ before ([Note: one rank steps autograd's gradients] skips even that copy).
 ``finish_grad_sync`` and ``param.main_grad`` collect first, so a backward that bypassed the
 wrapper's output is still seen at the step. What one backward publishes, which params count
 as used, the step states and the errors are those of the hooked path; the difference is the
-host cost: on one H200, compiled gpt2-small, the hooks were about 2 ms of host time per
-step, against one Python loop over the params at the end (the compiled step went from 1.085
-to 0.994 of plain torch). The price is memory: every gradient autograd made lives until
-backward ends (the deferring path held about one bucket of them). Backward has freed most
-activations by then, so the step's peak moved little: gpt2-small eager peaked at 9.3 GiB
-against plain torch's 8.9, the difference being the buffer itself.
+host cost: on one H200, compiled gpt2-small, the hooks were a tenth of the step's host
+time, against one Python loop over the params at the end (the compiled step came to parity
+with plain torch; docs/performance.md). The price is memory: every gradient autograd made
+lives until backward ends (the deferring path held about one bucket of them). Backward has
+freed most activations by then, so the step's peak moved little: gpt2-small eager peaked
+above plain torch by about the buffer itself.
 
 [Note: one rank steps autograd's gradients]
-Collecting with every buffer replicated (``sharding="none"``), nothing reads a view during
-the step: the replicated part steps from ``param.grad``. So the end of backward *adopts*
-each gradient autograd made instead of copying it (``Landing.adopting``): ``param.grad``
-stays autograd's own tensor, as in plain torch, the view is marked written but not filled,
-and the copy is owed. Anything that reads or adds into a view pays it first, all adopted
-gradients in one ``_foreach_copy_`` (:meth:`Landing.settle`): ``param.main_grad``,
-``ReducedGrads.view``/``owned``, a gradient reopening the reduced buffers; ``zero_grad``
-drops the debt. A ``param.grad`` the user replaced in the meantime is left as it is (the
-view takes the reduced value, as it held before). Params of their own ``Parameter`` class
-(``main_grad`` read without us) are never stale, so their gradients are added as before. On
-one H200 the copy was the whole difference of aligndp's 1b eager step from plain torch's
-(2.05 ms of 104, a read and a write of every gradient; 1.020 of plain torch before, 0.997
-after). The step's results are those of the copying path, bit for bit. Autograd's gradients
-now live until ``zero_grad``, as in plain torch, beside the buffer they may be read into:
-that buffer is the memory one rank spends over plain torch.
+Collecting with every buffer replicated (``sharding="none"``), nothing reads a view during the step:
+the replicated part steps from ``param.grad``. So the end of backward *adopts* each gradient
+autograd made instead of copying it (``Landing.adopting``): ``param.grad`` stays autograd's own
+tensor, as in plain torch, the view is marked written but not filled, and the copy is owed. Anything
+that reads or adds into a view pays it first, all adopted gradients in one ``_foreach_copy_``
+(:meth:`Landing.settle`): ``param.main_grad``, ``ReducedGrads.view``/``owned``, a gradient reopening
+the reduced buffers; ``zero_grad`` drops the debt. A ``param.grad`` the user replaced in the
+meantime is left as it is (the view takes the reduced value, as it held before). Params of their own
+``Parameter`` class (``main_grad`` read without us) are never stale, so their gradients are added as
+before. On one H200 the copy (a read and a write of every gradient) was the whole difference of
+aligndp's 1b eager step from plain torch's (docs/performance.md). The step's results are those of
+the copying path, bit for bit. Autograd's gradients now live until ``zero_grad``, as in plain torch,
+beside the buffer they may be read into: that buffer is the memory one rank spends over plain torch.
 
 [Note: one rank's host time]
-A compiled one-rank step of a small model is host-bound (gpt2-small on one H200: about
-20 ms of host time per step for 18 ms of GPU time), so each Python pass over the params at
+A compiled one-rank step of a small model is host-bound (gpt2-small on one H200: more host
+time per step than GPU time), so each Python pass over the params at
 the end of backward and at ``zero_grad`` shows in the step time. Each pass reads a param once
 and calls nothing per param on the usual path: :meth:`Landing.collect` reads every
 ``param.grad`` in one list and checks it against the dtype and shape its view had when it was
 built; a group's launch calls ``_take`` only for a stale view; publishing skips an adopted
 param with one list lookup; collecting, the buckets ``zero_grad`` leaves unzeroed are chosen
 once (nothing defers or adds there, so the choice cannot change). ``param.grad`` of a
-``WrappedParameter`` costs about 0.1 us more per read than a plain param's
+``WrappedParameter`` costs more per read than a plain param's
 ([Note: plain class while stepping] in runtime/wrapped_param.py), so a pass that reads it
 twice pays twice.
 """

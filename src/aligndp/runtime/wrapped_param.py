@@ -232,11 +232,11 @@ def as_parameters(params: Iterable[nn.Parameter]) -> Iterator[None]:
     class every op, every ``.grad`` read and every hash first asks the class for
     ``__torch_function__``. A fused AdamW step over the 148 params of gpt2-small reads each
     param a few times (``_init_group``, the grouping by device and dtype, the fused kernel's
-    argument lists): on one H200 it cost about 0.25 ms more host time per step over
+    argument lists): on one H200 it cost measurably more host time per step over
     ``WrappedParameter``s than over plain params, in a step that is host-bound under
-    ``torch.compile`` (about 20 ms). So a replicated part steps its params as plain
-    ``nn.Parameter``: two class assignments per param (about 0.26 us for the pair on a 2-core
-    CPU) instead of the subclass's toll on every read. Only torch's own optimizers do
+    ``torch.compile`` (docs/performance.md). So a replicated part steps its params as plain
+    ``nn.Parameter``: two cheap class assignments per param instead of the subclass's toll
+    on every read. Only torch's own optimizers do
     (:func:`steps_in_place`): one that rebinds ``param.data = new`` would, without the
     class's setter, give the param new storage without moving its version, which the
     quantised-weight caches key on ([Note: weights once per step] in aligndp/lowp/linear.py).
