@@ -232,6 +232,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+METAVARS = {"resume_from": "CHECKPOINT", "log_with": "NAME[,NAME]", "data": "FILE"}
+"""Flags whose value reads better under another name than the field's."""
+
+
 def _help(name: str, docs: dict[str, str]) -> str:
     text = docs.get(name, "")
     return text.replace("{presets}", describe_presets()) if name == "preset" else text
@@ -270,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag,
             type=field_type(hint),
             choices=choices or None,
-            metavar=None if choices else field.name.upper(),
+            metavar=None if choices else METAVARS.get(field.name, field.name.upper()),
             **{**common, "help": help_text + default},
         )
 
