@@ -39,9 +39,9 @@ def test_flags_are_pinned():
         "--help",
         "--preset",
         "--shapes",
-        "--dp",
+        "--nproc",
         "--replicas",
-        "--mode",
+        "--sharding",
         "--optimizer",
         "--wgrad",
         "--capability",
@@ -51,6 +51,8 @@ def test_flags_are_pinned():
         "--start-alignment",
         "--json",
         "--png",
+        "--dp",  # refused, naming --nproc
+        "--mode",  # refused, naming --sharding
     }
 
 
@@ -59,10 +61,10 @@ def test_json_matches_plan_layout(capsys):
         capsys,
         "--shapes",
         "768x2304,2304,50257x768",
-        "--dp",
+        "--nproc",
         "4",
-        "--mode",
-        "sharded",
+        "--sharding",
+        "zero1",
         "--bucket-numel",
         "2000000",
         "--json",
@@ -99,12 +101,12 @@ def test_json_matches_plan_layout(capsys):
 
 
 def test_replicas_plan_for_the_shard_group(capsys):
-    """--dp 8 --replicas 2: 2 replicas of 4 ranks; the buffers are planned for the 4 ranks
+    """--nproc 8 --replicas 2: 2 replicas of 4 ranks; the buffers are planned for the 4 ranks
     that shard them (the run's shard group), not for all 8 (at dp 8 this buffer pads to 4,096
     elements, at dp 4 to 3,584), and each rank sends its owned shard of every sharded bucket
     across the replicas: 3,584 / 4 fp32 elements."""
-    shapes = ["--shapes", "40x30,30,50x40", "--mode", "sharded", "--bucket-numel", "1000"]
-    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2", "--json")
+    shapes = ["--shapes", "40x30,30,50x40", "--sharding", "zero1", "--bucket-numel", "1000"]
+    code, out, _ = layout_main(capsys, *shapes, "--nproc", "8", "--replicas", "2", "--json")
     assert code == 0
     doc = json.loads(out)
     specs = [ParamSpec("p0", (40, 30)), ParamSpec("p1", (30,)), ParamSpec("p2", (50, 40))]
@@ -117,14 +119,14 @@ def test_replicas_plan_for_the_shard_group(capsys):
     assert [(p["name"], p["start"], p["owner"]) for p in buffer["params"]] == [
         (p.name, p.start, p.owner) for p in expected.params
     ]
-    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--replicas", "2")
+    code, out, _ = layout_main(capsys, *shapes, "--nproc", "8", "--replicas", "2")
     assert (
         "mesh: 8 ranks (2 replicas x 4 shards): every replica holds the plan above, made for "
         f"its 4 ranks (its shard group); each rank all-reduces {3584 // 4 * 4:,} bytes of owned "
         "shards across the replicas per step"
     ) in out
     assert "dp_size=4" in out
-    code, out, _ = layout_main(capsys, *shapes, "--dp", "8", "--json")
+    code, out, _ = layout_main(capsys, *shapes, "--nproc", "8", "--json")
     assert json.loads(out)["mesh"] == {"replicas": 1, "shards": 8}
     assert json.loads(out)["buffers"][0]["padded_numel"] == 4096
 
@@ -137,10 +139,10 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
         capsys,
         "--shapes",
         "64x64,64x64,32x32,32x32",
-        "--dp",
+        "--nproc",
         "2",
-        "--mode",
-        "layerwise",
+        "--sharding",
+        "zero1",
         "--optimizer",
         "muon",  # Newton–Schulz owner cost; without it the cost is the numel
     )
@@ -156,14 +158,14 @@ def test_layerwise_muon_shows_split_matrices_and_ns_imbalance(capsys):
     # 128 each) and 9216/2 - 2·2048 = 512 rows of B per part, 1024²·4608 each; rank 1 also
     # owns p1: max/mean = (4608·1024² + 768·256²) / ((9216·1024² + 768·256²) / 2) = 1.0052
     code, out, _ = layout_main(
-        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        capsys, "--shapes", "1024x4096,256x256", "--nproc", "2", "--sharding", "zero1",
         "--optimizer", "muon",
     )  # fmt: skip
     assert code == 0
     assert "NS imbalance max/mean 1.0052" in out and "1 matrices split" in out
     assert "p0 1024x4096: 0:2048 1:2048" in out
     code, out, _ = layout_main(
-        capsys, "--shapes", "1024x4096,256x256", "--dp", "2", "--mode", "layerwise",
+        capsys, "--shapes", "1024x4096,256x256", "--nproc", "2", "--sharding", "zero1",
         "--optimizer", "muon", "--json",
     )  # fmt: skip
     (layerwise,) = json.loads(out)["buffers"]
@@ -190,10 +192,12 @@ def test_png_is_written(capsys, tmp_path):
         capsys,
         "--shapes",
         "97,103,100x100,300x50",
-        "--dp",
+        "--nproc",
         "2",
-        "--mode",
-        "layerwise",
+        "--sharding",
+        "zero1",
+        "--optimizer",
+        "muon",
         "--png",
         str(path),
     )
@@ -216,10 +220,10 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         capsys,
         "--preset",
         preset,
-        "--dp",
+        "--nproc",
         "8",
-        "--mode",
-        "layerwise",
+        "--sharding",
+        "zero1",
         "--dtype",
         "bf16",
         "--wgrad",
@@ -247,25 +251,21 @@ def test_every_preset_plans_on_the_meta_device(capsys, preset):
         (["--shapes", "0x4"], r"zero elements"),
         (
             ["--preset", "demo", "--shapes", "4"],
-            r"exactly one of --preset or --shapes \(both given\)",
+            r"one of --preset or --shapes \(both given\)",
         ),
-        ([], r"exactly one of --preset or --shapes \(neither given\)"),
         (["--preset", "gpt5"], r"unknown preset 'gpt5'.*gpt2-small"),
-        (["--shapes", "4", "--dp", "0"], r"--dp must be >= 1, got 0"),
+        (["--shapes", "4", "--nproc", "0"], r"--nproc must be >= 1, got 0"),
         (
-            ["--shapes", "4", "--dp", "4", "--replicas", "3"],
-            r"--replicas 3 does not split --dp 4 ranks \(the world size\).*use one of 1, 2, 4$",
+            ["--shapes", "4", "--nproc", "4", "--replicas", "3"],
+            r"--replicas 3 does not split --nproc 4 ranks \(the world size\).*use one of 1, 2, 4$",
         ),
-        (["--shapes", "4", "--dp", "4", "--replicas", "0"], r"--replicas 0 does not split"),
+        (["--shapes", "4", "--nproc", "4", "--replicas", "0"], r"--replicas 0 does not split"),
         (
             ["--shapes", "4", "--bucket-numel", "0"],
             r"--bucket-numel must be a positive number.*leave it out",
         ),
         (["--shapes", "4", "--start-alignment", "48"], r"power of two.*48"),
-        (
-            ["--shapes", "64x64", "--optimizer", "muon", "--mode", "sharded"],
-            r"whole matrices.*--mode layerwise",
-        ),
+        (["--shapes", "4", "--wgrad", "nvfp4"], r"--wgrad 'nvfp4' is not one of none, fp8"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, argv, message):
@@ -283,10 +283,10 @@ def test_muon_layerwise_plans_what_zero1_muon_builds(capsys, preset):
         capsys,
         "--preset",
         preset,
-        "--dp",
+        "--nproc",
         "4",
-        "--mode",
-        "layerwise",
+        "--sharding",
+        "zero1",
         "--optimizer",
         "muon",
         "--json",
@@ -299,7 +299,7 @@ def test_muon_layerwise_plans_what_zero1_muon_builds(capsys, preset):
     assert buffers["layerwise"] == hidden
     assert buffers["sharded"] == {n for n, _ in model.named_parameters()} - hidden
     code, out, _ = layout_main(
-        capsys, "--preset", preset, "--dp", "4", "--optimizer", "muon", "--json"
+        capsys, "--preset", preset, "--nproc", "4", "--optimizer", "muon", "--json"
     )
     (only,) = json.loads(out)["buffers"]
     assert only["mode"] == "replicated", "sharding none with Muon: plain DDP buffers"
@@ -310,10 +310,10 @@ def test_muon_on_bare_shapes_routes_the_2d_ones(capsys):
         capsys,
         "--shapes",
         "96x64,64,64x96",
-        "--dp",
+        "--nproc",
         "2",
-        "--mode",
-        "layerwise",
+        "--sharding",
+        "zero1",
         "--optimizer",
         "muon",
         "--json",
@@ -322,10 +322,46 @@ def test_muon_on_bare_shapes_routes_the_2d_ones(capsys):
     assert sorted(buffers["layerwise"]) == ["p0", "p2"] and buffers["sharded"] == ["p1"]
 
 
-def test_unknown_choice_is_an_argparse_error(capsys):
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["--sharding", "zero3"],
+            "aligndp layout: error: argument --sharding: invalid choice: 'zero3' (choose from "
+            "'none', 'zero1'); did you mean zero1? (see aligndp layout --help)",
+        ),
+        (
+            ["--dp", "2"],
+            "aligndp layout: error: --dp is now --nproc N (the rank count, as aligndp train "
+            "counts it) (see aligndp layout --help)",
+        ),
+        (
+            ["--mode", "layerwise"],
+            "aligndp layout: error: --mode is now --sharding none|zero1 (replicated -> none, "
+            "sharded -> zero1; layerwise -> zero1 with --optimizer muon) (see aligndp layout "
+            "--help)",
+        ),
+        (
+            ["--nprc", "2"],
+            "aligndp layout: error: unrecognized arguments: --nprc 2; did you mean --nproc? "
+            "(see aligndp layout --help)",
+        ),
+    ],
+)
+def test_flag_errors_are_one_line_naming_the_right_spelling(capsys, argv, line):
+    """The vocabulary of aligndp train: the old --dp and --mode are refused naming the new
+    flag, a mistyped flag or choice names the closest one; one line, exit 2, no usage."""
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["layout", "--shapes", "4", "--mode", "zero3"])
-    assert exit_info.value.code == 2 and "invalid choice: 'zero3'" in capsys.readouterr().err
+        cli.main(["layout", "--shapes", "4", *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_bare_layout_shows_the_demo(capsys):
+    code, bare, _ = layout_main(capsys)
+    assert code == 0
+    _, demo, _ = layout_main(capsys, "--preset", "demo")
+    assert bare == demo and "total: " in bare
 
 
 def test_python_dash_m_aligndp_layout():
@@ -336,18 +372,20 @@ def test_python_dash_m_aligndp_layout():
             "aligndp",
             "layout",
             "--shapes",
-            "97,103",
-            "--dp",
+            "96x64,64,64x96",
+            "--nproc",
             "2",
-            "--mode",
-            "layerwise",
+            "--sharding",
+            "zero1",
+            "--optimizer",
+            "muon",
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "layerwise buffer" in result.stdout and "owner cost imbalance max/mean" in result.stdout
+    assert "layerwise buffer" in result.stdout and "NS imbalance max/mean" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -355,7 +393,7 @@ def test_python_dash_m_aligndp_layout():
     [
         ([], {}),  # the defaults: replicated, 40 M-element buckets
         (
-            ["--mode", "layerwise", "--optimizer", "muon"],
+            ["--sharding", "zero1", "--optimizer", "muon"],
             {"optimizer": "muon", "sharding": "zero1"},
         ),
     ],

@@ -347,7 +347,11 @@ CLI = [
         lambda t: ["train", "--resume", "--overwrite"],
         "pass one of them",
     ),
-    ("train --resume without checkpoints", lambda t: ["train", "--resume"], "holds no checkpoint"),
+    (
+        "train --resume without checkpoints",
+        lambda t: ["train", "--resume"],
+        "holds no complete checkpoint",
+    ),
     (
         "train --wgrad fp8 on CPU",
         lambda t: ["train", "--wgrad", "fp8"],
@@ -410,11 +414,15 @@ CLI = [
         "is a directory",
     ),
     (
-        "layout --dp 0",
-        lambda t: ["layout", "--preset", "demo", "--dp", "0"],
-        "--dp must be >= 1, got 0",
+        "layout --nproc 0",
+        lambda t: ["layout", "--preset", "demo", "--nproc", "0"],
+        "--nproc must be >= 1, got 0",
     ),
-    ("layout without a model", lambda t: ["layout"], "give exactly one of --preset or --shapes"),
+    (
+        "layout with two models",
+        lambda t: ["layout", "--preset", "demo", "--shapes", "4"],
+        r"give one of --preset or --shapes \(both given\)",
+    ),
     ("layout unknown preset", lambda t: ["layout", "--preset", "gpt5"], "unknown preset 'gpt5'"),
 ]
 

@@ -81,9 +81,11 @@ def test_layout_png_draws_each_param_where_the_plan_puts_it_in_its_owners_colour
     from matplotlib import colormaps
 
     tab10 = colormaps["tab10"]
-    shapes = ["--shapes", "64x64,64x16", "--dp", "2"]
+    shapes = ["--shapes", "64x64,64x16", "--nproc", "2"]
     plan, bars = layout_and_bars(
-        [*shapes, "--mode", "layerwise"], str(tmp_path / "lw.png"), monkeypatch
+        [*shapes, "--sharding", "zero1", "--optimizer", "muon"],
+        str(tmp_path / "lw.png"),
+        monkeypatch,
     )
     params = [p for buffer in plan["buffers"] for p in buffer["params"]]
     assert [p["owner"] for p in params] == [0, 1], "the test needs a param on each rank"
@@ -94,7 +96,7 @@ def test_layout_png_draws_each_param_where_the_plan_puts_it_in_its_owners_colour
     assert sorted(bars, key=lambda b: b["left"]) == expected
     monkeypatch.undo()
     plan, bars = layout_and_bars(
-        [*shapes, "--mode", "replicated"], str(tmp_path / "r.png"), monkeypatch
+        [*shapes, "--sharding", "none"], str(tmp_path / "r.png"), monkeypatch
     )
     params = [p for buffer in plan["buffers"] for p in buffer["params"]]
     assert sorted((b["left"], b["width"]) for b in bars) == sorted(

@@ -143,8 +143,6 @@ def test_converted_layers_carry_the_recipe_into_the_fused_wgrad(group, fake):
 def test_layout_cli_lists_and_accepts_it(fake, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    (wgrad,) = [a for a in parser._actions if "--wgrad" in a.option_strings]
-    assert "test-fake" in wgrad.choices
     code = cli.main(
         ["layout", "--shapes", "97,103", "--wgrad", "test-fake", "--start-alignment", "1", "--json"]
     )

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from aligndp.app import cli
+from aligndp.app.run_checkpoints import latest_checkpoint
 from aligndp.app.run_dir import (
     IDENTITY,
     LOCK_FILE,
@@ -50,7 +51,7 @@ def error_line(capsys) -> str:
 def test_fresh_run_into_another_run_refuses_and_overwrite_keeps_user_files(tmp_path, capsys):
     assert train("--checkpoint-every", "2", out=tmp_path) == 0
     run = json.loads((tmp_path / "run.json").read_text())
-    assert run["config"]["steps"] == 4 and len(run["run_id"]) == 12
+    assert run["options"]["steps"] == 4 and len(run["run_id"]) == 12
     (tmp_path / "my-notes.txt").write_text("mine")
     capsys.readouterr()
     assert train(out=tmp_path) == 2
@@ -74,11 +75,8 @@ def test_resume_refuses_another_runs_checkpoints(tmp_path, capsys):
         == 2
     )
     line = error_line(capsys)
-    assert (
-        "--resume: " in line
-        and "--lr 0.003 there, 0.01 now" in line
-        and "--steps 4 there, 6 now" in line
-    ), line
+    assert "--resume: " in line and "--lr 0.003 there, 0.01 now" in line, line
+    assert "--steps" not in line, "--resume --steps N extends a run: steps are no identity"
     os.remove(tmp_path / "checkpoints" / "run.json")
     os.remove(tmp_path / "run.json")
     assert train("--checkpoint-every", "2", "--resume", out=tmp_path) == 2
@@ -183,7 +181,7 @@ def test_data_that_is_a_directory(tmp_path, capsys):
 
 
 def test_layout_png_paths(tmp_path, capsys):
-    base = ["layout", "--preset", "demo", "--dp", "2"]
+    base = ["layout", "--preset", "demo", "--nproc", "2"]
     assert cli.main([*base, "--png", str(tmp_path / "missing" / "x.png")]) == 2
     assert f"the directory {tmp_path / 'missing'} does not exist; create it first" in error_line(
         capsys
@@ -196,7 +194,8 @@ def test_layout_png_paths(tmp_path, capsys):
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
-    """Ctrl-C in a terminal signals the launcher and both ranks: a 40-line traceback before."""
+    """Ctrl-C in a terminal signals the launcher and both ranks: a 40-line traceback before,
+    and no checkpoint of the steps trained."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -237,6 +236,11 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert proc.returncode == 130, err
     assert lines == ["aligndp train: interrupted"], err
     assert not (tmp_path / LOCK_FILE).exists()
+    # both ranks finished the step under way and saved it: the run continues from there
+    saved = latest_checkpoint(str(tmp_path / "checkpoints"))
+    assert saved is not None, "Ctrl-C saves a checkpoint (unless --no-final-checkpoint)"
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    assert saved.endswith(f"step-{logged[-1]['step'] + 1:06d}"), (saved, logged[-1])
 
 
 def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
@@ -247,10 +251,10 @@ def test_a_killed_rank_makes_train_exit_non_zero(tmp_path, capsys, monkeypatch):
         "import os, signal\n"
         "import aligndp.app.train_loop as loop\n"
         "original = loop._train_step\n"
-        "def dying(job, step):\n"
+        "def dying(job, step, *rest):\n"
         "    if step == 3 and job.rank == 1:\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return original(job, step)\n"
+        "    return original(job, step, *rest)\n"
         "loop._train_step = dying\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
@@ -285,10 +289,10 @@ def test_a_rank_left_behind_ends_the_run_within_timeout(tmp_path, capsys, monkey
         "import time\n"
         "import aligndp.app.train_loop as loop\n"
         "original = loop._train_step\n"
-        "def stalling(job, step):\n"
+        "def stalling(job, step, *rest):\n"
         "    if step == 3 and job.rank == 1:\n"
         "        time.sleep(120)\n"
-        "    return original(job, step)\n"
+        "    return original(job, step, *rest)\n"
         "loop._train_step = stalling\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))

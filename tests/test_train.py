@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from aligndp.app import cli
+from aligndp.app.run_checkpoints import latest_checkpoint
+from aligndp.app.schedule import lr_factor
 from aligndp.app.train import TrainConfig, add_arguments, config_from_args
-from aligndp.app.train_loop import latest_checkpoint, lr_factor
 from aligndp.app.train_report import MetricsLog, read_metrics
+from aligndp.state.checkpoint_files import META_FILE
 from tests.models import ADAMW_GAIN, MUON_GAIN, interrupted_copy, order_tolerance
 
 STEPS = 20
@@ -157,7 +159,7 @@ def _error_line(capsys):
             r"--replicas 3 does not split the 4 ranks .* into equal replicas; use one of 1, 2, 4",
         ),
         (["--replicas", "0"], "--replicas must be an integer >= 1, got 0"),
-        (["--resume"], "holds no checkpoint; run once with --checkpoint-every N first"),
+        (["--resume"], "holds no complete checkpoint; a run saves one when it ends"),
         (
             ["--wgrad", "fp8"],
             "--wgrad fp8 runs blockwise FP8 kernels on a Hopper GPU; use --device cuda",
@@ -356,12 +358,16 @@ def test_flags_are_pinned():
         "--eval-every",
         "--checkpoint-dir",
         "--checkpoint-every",
+        "--no-final-checkpoint",
         "--keep-last",
         "--resume",
+        "--resume-from",
         "--overwrite",
         "--out",
+        "--log-with",
         "--data",
         "--timeout",
+        "--config",
     }
     assert config_from_args(parser.parse_args([])) == TrainConfig()
     config = config_from_args(
@@ -394,10 +400,16 @@ def test_lr_schedule_by_hand():
     assert lr_factor(0, 1) == pytest.approx(1.0)  # no warm-up in a 1-step run
 
 
-def test_latest_checkpoint_picks_the_highest_step(tmp_path):
+def test_latest_checkpoint_picks_the_highest_complete_step(tmp_path):
+    """A ``step-N.partial`` left by a save that died, and a ``step-N`` without the
+    ``aligndp.json`` that aligndp.save writes last, are no checkpoints to resume from."""
     assert latest_checkpoint(str(tmp_path / "missing")) is None
     for name in ("step-000010", "step-000200", "step-000030", "notes"):
         (tmp_path / name).mkdir()
+        (tmp_path / name / META_FILE).write_text("{}")
+    (tmp_path / "step-000300.partial").mkdir()
+    (tmp_path / "step-000300.partial" / META_FILE).write_text("{}")
+    (tmp_path / "step-000400").mkdir()  # a user's, or one being renamed into place
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-000200")
 
 

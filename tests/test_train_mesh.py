@@ -96,8 +96,8 @@ def two_nodes(tmp_path_factory):
 
 def _layout_padded_numel(capsys, replicas: int) -> int:
     """What ``aligndp layout`` plans for this run's ZeRO-1 buffers on 4 ranks."""
-    argv = ["layout", "--preset", "demo", "--dp", "4", "--replicas", str(replicas)]
-    assert cli.main([*argv, "--mode", "sharded", "--json"]) == 0
+    argv = ["layout", "--preset", "demo", "--nproc", "4", "--replicas", str(replicas)]
+    assert cli.main([*argv, "--sharding", "zero1", "--json"]) == 0
     return sum(b["padded_numel"] for b in json.loads(capsys.readouterr().out)["buffers"])
 
 

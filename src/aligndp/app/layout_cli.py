@@ -1,21 +1,23 @@
 """`aligndp layout`: plan and show the flat buffer layout of a model, without building it.
 
 A preset model is built on the meta device, so even the 1B preset costs no memory; only
-the shapes of its trainable params reach the planner. Use it to see what padding a mode
+the shapes of its trainable params reach the planner. Use it to see what padding a sharding
 costs and where each param lands before a run, e.g.::
 
-    python -m aligndp layout --preset 1b --dp 8 --mode layerwise --wgrad mxfp8 --png layout.png
+    python -m aligndp layout --preset 1b --nproc 8 --sharding zero1 --optimizer muon \
+        --wgrad mxfp8 --png layout.png
 
-``--replicas R`` plans as ``aligndp train --replicas R`` runs: ``--dp`` stays the job's rank
-count and the buffers are planned for one replica's ``--dp / R`` ranks (the shard group of
+The flags (``layout_args.py``) are ``aligndp train``'s where they mean the same thing.
+``--replicas R`` plans as ``aligndp train --replicas R`` runs: ``--nproc`` stays the job's rank
+count and the buffers are planned for one replica's ``--nproc / R`` ranks (the shard group of
 [Note: replicate x shard mesh]); every replica holds that layout.
 
 [Note: one plan request] (aligndp/plan/request.py): the command builds its request with
 :func:`aligndp.parallelize.plan_request`, the function ``parallelize()`` builds the run's
 with, and plans it with the same :func:`~aligndp.plan.request.plan_buffers` the
 data-parallel wrapper calls. ``--optimizer muon`` (any registered whole-matrix optimizer)
-with ``--mode layerwise`` (that is ``sharding="zero1"``) puts its matrices in a layer-wise
-buffer, owners balanced by its cost, and everything else in a ZeRO-1 sharded buffer.
+with ``--sharding zero1`` puts its matrices in a layer-wise buffer, owners balanced by its cost,
+and everything else in a ZeRO-1 sharded buffer.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import os
 import torch
 import torch.nn as nn
 
+from aligndp.app.layout_args import add_arguments  # noqa: F401  (the flags, torch-free)
 from aligndp.app.train_config import check_replicas, describe_mesh
 from aligndp.lowp.recipes import recipe_names
-from aligndp.optim.registry import known_optimizers, whole_matrix_spec
+from aligndp.optim.registry import whole_matrix_spec
 from aligndp.parallelize import plan_request
 from aligndp.plan.request import PlanRequest, plan_buffers
 from aligndp.plan.slots import BufferLayout, padding_totals
@@ -44,7 +47,6 @@ from aligndp.plan.spec import (
 )
 
 __all__ = [
-    "add_arguments",
     "run",
     "preset_model",
     "preset_specs",
@@ -54,86 +56,6 @@ __all__ = [
 ]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-OPTIMIZERS = ("adamw", *(n for n in known_optimizers() if whole_matrix_spec(n) is not None))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``aligndp layout``; each maps to one field of :class:`LayoutOptions`."""
-    source = parser.add_argument_group("params (give exactly one)")
-    source.add_argument(
-        "--preset", help="GPT preset from aligndp.models.gpt.PRESETS, e.g. gpt2-small"
-    )
-    source.add_argument(
-        "--shapes",
-        help="comma-separated shapes in registration order, e.g. '768x2304,2304,50257x768'",
-    )
-    parser.add_argument(
-        "--dp",
-        type=int,
-        default=1,
-        help="data-parallel ranks of the job, all replicas together: the world size, as "
-        "aligndp train counts --nproc (default 1)",
-    )
-    parser.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="replicas of the job, as aligndp train --replicas: the plan is made for one "
-        "replica's --dp / --replicas ranks (the shard group), and every replica holds it "
-        "(default 1: one flat group)",
-    )
-    parser.add_argument(
-        "--mode",
-        choices=[m.value for m in Mode],
-        default=Mode.REPLICATED.value,
-        help="how buffers are reduced and owned (default replicated)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=OPTIMIZERS,
-        default="adamw",
-        help="muon (a whole-matrix optimizer): route hidden matrices to it as parallelize() "
-        "does; with --mode layerwise they get the layer-wise buffer and the rest a sharded one "
-        "(default adamw: every param in --mode)",
-    )
-    parser.add_argument(
-        "--wgrad",
-        choices=recipe_names(),
-        default="none",
-        help="fused wgrad recipe whose alignment requirement the layout must meet (default none)",
-    )
-    parser.add_argument(
-        "--capability",
-        default="9.0",
-        help="CUDA compute capability (major.minor) the --wgrad recipe's layer rule is judged "
-        "for, or 'cpu' (default 9.0: H100/H200)",
-    )
-    parser.add_argument(
-        "--bucket-numel",
-        type=int,
-        default=DEFAULT_BUCKET_NUMEL,
-        help=f"elements per bucket (default {DEFAULT_BUCKET_NUMEL:,}, as parallelize() builds)",
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="fp32", help="param dtype (default fp32)"
-    )
-    parser.add_argument(
-        "--grad-dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="grad dtype (default: param dtype)",
-    )
-    parser.add_argument(
-        "--start-alignment",
-        type=int,
-        default=DEFAULT_START_ALIGNMENT,
-        help=f"param start alignment in elements (default {DEFAULT_START_ALIGNMENT}); a wgrad "
-        "requirement may raise it",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print the layouts as JSON instead of a table"
-    )
-    parser.add_argument("--png", metavar="FILE", help="also draw the layouts into this PNG")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +90,12 @@ class LayoutOptions:
         if whole and self.mode is Mode.SHARDED:
             raise ValueError(
                 f"{self.optimizer} steps whole matrices, which ZeRO-1's slices cut apart: use "
-                "--mode layerwise (sharding='zero1') or --mode replicated (sharding='none')"
+                "a layer-wise buffer (sharding='zero1') or replicated ones (sharding='none')"
             )
         if self.dp_size < 1:
-            raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
+            raise ValueError(f"--nproc must be >= 1, got {self.dp_size}")
         check_replicas(
-            self.replicas, self.dp_size, ranks=f"--dp {self.dp_size} ranks (the world size)"
+            self.replicas, self.dp_size, ranks=f"--nproc {self.dp_size} ranks (the world size)"
         )
         check_bucket_numel(self.bucket_numel, flag="--bucket-numel")
 
@@ -262,12 +184,21 @@ def shapes_model(specs: list[ParamSpec]) -> nn.Module:
     return model
 
 
+def _mode(sharding: str, optimizer: str) -> Mode:
+    """The buffer mode ``parallelize(sharding=, optimizer=)`` builds (a whole-matrix optimizer's
+    matrices under ZeRO-1 go to a layer-wise buffer, the rest to a sharded one)."""
+    if sharding == "none":
+        return Mode.REPLICATED
+    return Mode.SHARDED if whole_matrix_spec(optimizer) is None else Mode.LAYERWISE
+
+
 def _options(args: argparse.Namespace) -> LayoutOptions:
-    if (args.preset is None) == (args.shapes is None):
-        given = "both" if args.preset is not None else "neither"
-        raise ValueError(
-            f"give exactly one of --preset or --shapes ({given} given), e.g. --preset gpt2-small"
-        )
+    if args.preset is not None and args.shapes is not None:
+        raise ValueError("give one of --preset or --shapes (both given), e.g. --preset gpt2-small")
+    if args.preset is None and args.shapes is None:
+        args = argparse.Namespace(**{**vars(args), "preset": "demo"})
+    if args.wgrad not in recipe_names():
+        raise ValueError(f"--wgrad {args.wgrad!r} is not one of {', '.join(recipe_names())}")
     dtype = DTYPES[args.dtype]
     if args.preset:
         model = preset_model(args.preset).to(dtype)
@@ -275,14 +206,16 @@ def _options(args: argparse.Namespace) -> LayoutOptions:
         model = shapes_model(parse_shapes(args.shapes, dtype=dtype))
     return LayoutOptions(
         model=model,
-        dp_size=args.dp,
+        dp_size=args.nproc,
         replicas=args.replicas,
-        mode=Mode.parse(args.mode),
+        mode=_mode(args.sharding, args.optimizer),
         optimizer=args.optimizer,
         wgrad=args.wgrad,
-        bucket_numel=args.bucket_numel,
+        bucket_numel=DEFAULT_BUCKET_NUMEL if args.bucket_numel is None else args.bucket_numel,
         grad_dtype=DTYPES[args.grad_dtype] if args.grad_dtype else None,
-        start_alignment=args.start_alignment,
+        start_alignment=(
+            DEFAULT_START_ALIGNMENT if args.start_alignment is None else args.start_alignment
+        ),
         capability=_capability(args.capability),
     )
 
@@ -364,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
     layouts = options.plan()
     if args.json:
         mesh = {"replicas": options.replicas, "shards": options.shard_size}
-        print(json.dumps({"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}))
+        doc = {"mesh": mesh, "buffers": [layout.to_dict() for layout in layouts]}
+        print(json.dumps(doc, allow_nan=False))
     else:
         for layout in layouts:
             print(layout)

@@ -3,9 +3,10 @@
 [Note: run directories]
 ``aligndp train`` writes ``run.json`` into ``--out`` (and into the checkpoint directory):
 a run id and the options that define the run's numbers (:data:`IDENTITY`: model, data,
-batch, optimizer, schedule, seed; not the rank count, mesh shape (``--replicas``),
+batch, optimizer, peak lr, seed; not the rank count, mesh shape (``--replicas``),
 micro-batches or sharding, which a resumed run may change: a checkpoint holds model-space
-values, read back at any of them). Then:
+values, read back at any of them; nor ``--steps``: ``--resume --steps N`` extends a run). It
+also writes ``run.toml``, every option of the run, which ``--config`` reads back. Then:
 - a fresh run into an ``--out`` (or checkpoint directory) that holds a run refuses, unless
   ``--overwrite``, which deletes only the files ``aligndp train`` writes there;
 - ``--resume`` continues only a run with the same identity, naming the options that differ;
@@ -30,6 +31,7 @@ __all__ = [
     "MAY_CHANGE_ON_RESUME",
     "OUTPUTS",
     "RUN_FILE",
+    "CONFIG_FILE",
     "RunLock",
     "check_not_files",
     "check_run_dirs",
@@ -41,7 +43,6 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 IDENTITY = (
     "preset",
-    "steps",
     "batch_size",
     "optimizer",
     "lr",
@@ -52,7 +53,13 @@ IDENTITY = (
     "data",
 )
 """TrainConfig fields that define a run: a checkpoint resumes only into the same values."""
+NOT_IN_RUN_TOML = ("resume", "resume_from", "overwrite")
+"""How a run was started, not what it is: left out of its run.toml."""
 MAY_CHANGE_ON_RESUME = (
+    "steps",
+    "final_checkpoint",
+    "resume_from",
+    "log_with",
     "micro_batches",
     "sharding",
     "nproc",
@@ -71,7 +78,8 @@ MAY_CHANGE_ON_RESUME = (
 )
 """The other TrainConfig fields: how the run is split, checkpointed, reported and timed, not
 what it computes (up to rounding); every field is in exactly one of the two lists."""
-OUTPUTS = ("metrics.jsonl", "loss.png", "layout.png", "summary.json", RUN_FILE)
+CONFIG_FILE = "run.toml"
+OUTPUTS = ("metrics.jsonl", "loss.png", "layout.png", "summary.json", RUN_FILE, CONFIG_FILE)
 """What ``aligndp train`` writes into ``--out`` (plus ``step-N`` checkpoints): all that
 ``--overwrite`` deletes."""
 
@@ -98,7 +106,7 @@ def _read_run(directory: str) -> dict | None:
 
 
 def _holds_a_run(directory: str) -> bool:
-    from aligndp.app.train_loop import latest_checkpoint
+    from aligndp.app.run_checkpoints import latest_checkpoint
 
     if not os.path.isdir(directory):
         return False
@@ -122,6 +130,12 @@ def check_run_dirs(config) -> None:
     directories = [("--out", config.out)]
     if config.checkpoint_path != os.path.join(config.out, "checkpoints"):
         directories.append(("--checkpoint-dir", config.checkpoint_path))
+    if config.resume_from is not None:  # its run's run.json sits beside it
+        beside = os.path.dirname(os.path.normpath(config.resume_from)) or "."
+        if os.path.isfile(os.path.join(beside, RUN_FILE)) and all(
+            not os.path.samefile(beside, d) for _, d in directories if os.path.isdir(d)
+        ):
+            directories.append(("--resume-from", beside))
     if config.overwrite:
         return
     for flag, directory in directories:
@@ -158,7 +172,11 @@ def check_run_dirs(config) -> None:
 
 
 def write_run_files(config, directories: list[str]) -> str:
-    """Write ``run.json`` into each directory (kept when resuming); returns the run id."""
+    """Write ``run.json`` into each directory (its id kept when resuming) and ``run.toml``
+    into ``--out``; returns the run id."""
+    from aligndp.app.config_file import to_toml
+    from aligndp.app.train_report import dumps
+
     earlier = (
         [run for run in map(_read_run, directories) if run is not None] if config.resume else []
     )
@@ -172,7 +190,16 @@ def write_run_files(config, directories: list[str]) -> str:
     for directory in directories:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, RUN_FILE), "w") as f:
-            json.dump(run, f, indent=1)
+            f.write(dumps(run, indent=1) + "\n")
+    with open(os.path.join(config.out, CONFIG_FILE), "w") as f:
+        f.write(
+            to_toml(
+                config,
+                header=f"aligndp train --config {CONFIG_FILE} trains run {run['run_id']} again "
+                "(flags beside it override it)",
+                leave_out=NOT_IN_RUN_TOML,
+            )
+        )
     return run["run_id"]
 
 
@@ -188,6 +215,10 @@ def clear_outputs(directory: str) -> None:
             os.remove(path)
         elif name.startswith("step-") and _is_checkpoint_dir(path):
             shutil.rmtree(path)
+        elif name == "tensorboard" and os.path.isdir(path):  # --log-with tensorboard's events
+            for event in os.listdir(path):
+                if event.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(path, event))
 
 
 @dataclasses.dataclass

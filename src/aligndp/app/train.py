@@ -46,7 +46,9 @@ def preflight(config: TrainConfig) -> None:
     import torch
 
     from aligndp.app.data import BatchSpec
-    from aligndp.app.train_loop import latest_checkpoint, load_data, wgrad_backend
+    from aligndp.app.metric_sinks import check_installed
+    from aligndp.app.run_checkpoints import check_resume_from, resume_point
+    from aligndp.app.train_loop import load_data, wgrad_backend
 
     cfg = PRESETS[config.preset]
     BatchSpec(config.batch_size, cfg.seq_len, config.nproc, config.micro_batches)
@@ -62,10 +64,13 @@ def preflight(config: TrainConfig) -> None:
                 f"--nproc {config.nproc} ranks need {config.nproc} GPUs, torch sees "
                 f"{torch.cuda.device_count()}; use --nproc {torch.cuda.device_count()}"
             )
-    if config.resume and latest_checkpoint(config.checkpoint_path) is None:
+    check_installed(config.loggers)
+    if config.resume_from is not None:
+        check_resume_from(config.resume_from)
+    elif config.resume and resume_point(config) is None:
         raise ValueError(
-            f"--resume but {config.checkpoint_path} holds no checkpoint; run once with "
-            "--checkpoint-every N first (or drop --resume)"
+            f"--resume but {config.checkpoint_path} holds no complete checkpoint; a run saves "
+            "one when it ends (unless --no-final-checkpoint), or drop --resume"
         )
 
 
@@ -118,7 +123,8 @@ def _quiet_launcher():
 def _run_dirs(config: TrainConfig) -> list[str]:
     """Directories this run writes: --out, and the checkpoint directory when it has one."""
     dirs = [config.out]
-    if (config.checkpoint_every or config.resume) and config.checkpoint_path not in dirs:
+    saves = config.checkpoint_every or config.final_checkpoint or config.resume
+    if saves and config.checkpoint_path not in dirs:
         dirs.append(config.checkpoint_path)
     return dirs
 

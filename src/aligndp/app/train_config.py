@@ -1,7 +1,10 @@
 """What ``aligndp train`` can be told: :class:`TrainConfig`, one frozen field per flag.
 
 The argparse flags are generated from the fields (their docstrings are the help texts), so
-the options, their checks and ``aligndp train --help`` cannot drift apart.
+the options, their checks and ``aligndp train --help`` cannot drift apart. ``--config run.toml``
+gives the fields from a TOML file (the ``run.toml`` a run writes reproduces it); flags given on
+the command line override it. This module imports no torch: ``aligndp train --help`` and a
+mistyped flag answer at once.
 """
 
 from __future__ import annotations
@@ -15,16 +18,25 @@ import textwrap
 import typing
 from typing import Literal
 
-from aligndp.lowp.recipes import recipe_names
-from aligndp.models.gpt import PRESETS
+from aligndp.app.config_file import field_type, read_toml
+from aligndp.models.presets import PRESETS, describe_presets
 
-__all__ = ["TrainConfig", "add_arguments", "check_replicas", "config_from_args", "describe_mesh"]
+__all__ = [
+    "LOGGERS",
+    "TrainConfig",
+    "add_arguments",
+    "check_replicas",
+    "config_from_args",
+    "describe_mesh",
+]
 
 Optimizer = Literal["adamw", "muon"]
 Sharding = Literal["none", "zero1"]
 WgradLayers = Literal["pays", "all"]
 Device = Literal["cpu", "cuda"]
 Dtype = Literal["fp32", "bf16"]
+LOGGERS = ("tensorboard", "wandb")
+"""What ``--log-with`` takes (comma-separated), beside metrics.jsonl which is always written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +44,12 @@ class TrainConfig:
     """Everything ``aligndp train`` can be told; one flag per field."""
 
     preset: str = "demo"
-    """Model shape: a key of aligndp.models.gpt.PRESETS."""
+    """Model shape, one of aligndp.models.PRESETS: {presets}."""
     steps: int = 500
-    """Optimizer steps to train for (in total, counting steps done before a --resume)."""
+    """Optimizer steps to train for, in total (counting steps done before a --resume).
+    --resume with a larger --steps extends a finished run: from the resume step on, the lr
+    follows the schedule of a run of the new length (the cosine decay laid out again over the
+    new total, so the lr rises to that schedule's value at the resume step)."""
     batch_size: int = 32
     """Global batch in sequences per optimizer step, over all ranks and micro-batches."""
     micro_batches: int = 1
@@ -54,7 +69,8 @@ class TrainConfig:
     """With --wgrad fp8-tensor and --sharding zero1: all-gather the converted layers' weights
     as FP8 bytes plus one scale each (half a bf16 gather), fp32 masters on their owners."""
     lr: float = 3e-3
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it); with
+    """Peak learning rate (linear warm-up over min(20, steps / 10) steps, then cosine decay to a
+    tenth of it at the last step: a torch LambdaLR); with
     --optimizer muon the one lr of Muon and AdamW (Muon's update scaled to AdamW's RMS)."""
     seed: int = 0
     """Seeds the model's initialisation and the order of the data."""
@@ -82,17 +98,27 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     """Where checkpoints go (default: OUT/checkpoints)."""
     checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: never)."""
+    """Also save a checkpoint every this many steps (0: only the final one)."""
+    final_checkpoint: bool = True
+    """Save a checkpoint when the run ends, and when Ctrl-C stops it (after the step under
+    way, on every rank); --no-final-checkpoint: keep only the --checkpoint-every ones."""
     keep_last: int = 0
     """Keep only the newest this many checkpoints (0: keep all)."""
     resume: bool = False
-    """Continue the run in --out from its latest checkpoint (only a run started with the same
-    options)."""
+    """Continue the run in --out from its newest complete checkpoint (only a run started with
+    the same options; --steps may differ, see --steps)."""
+    resume_from: str | None = None
+    """Continue from this checkpoint directory (e.g. OUT/checkpoints/step-000040) instead of
+    the newest; implies --resume."""
     overwrite: bool = False
     """Replace the run that --out (or --checkpoint-dir) holds; without it a fresh run there
     refuses."""
     out: str = "runs/latest"
-    """Directory for run.json, metrics.jsonl, loss.png, layout.png and summary.json."""
+    """Directory for run.toml, run.json, metrics.jsonl, loss.png, layout.png and summary.json."""
+    log_with: str = ""
+    """Also log the metrics.jsonl scalars to these, comma-separated: tensorboard (events in
+    OUT/tensorboard; pip install 'aligndp[tensorboard]'), wandb (Weights & Biases, offline
+    under OUT/wandb unless WANDB_MODE says otherwise; pip install 'aligndp[wandb]')."""
     data: str | None = None
     """Training text: a text file (bytes) or a nanoGPT-style uint16 .bin file (default: embedded
     synthetic arithmetic)."""
@@ -120,9 +146,17 @@ class TrainConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr!r}")
         if not self.timeout > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.resume_from is not None:
+            object.__setattr__(self, "resume", True)  # frozen: set once, while being built
         if self.resume and self.overwrite:
             raise ValueError(
                 "--resume continues the run in --out and --overwrite replaces it: pass one of them"
+            )
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown:
+            raise ValueError(
+                f"--log-with {self.log_with!r}: {', '.join(map(repr, unknown))} is not one of "
+                f"{', '.join(LOGGERS)}; give a comma-separated list, e.g. --log-with tensorboard"
             )
         hints = typing.get_type_hints(TrainConfig)
         for field in dataclasses.fields(self):
@@ -149,15 +183,27 @@ class TrainConfig:
     def checkpoint_path(self) -> str:
         return self.checkpoint_dir or os.path.join(self.out, "checkpoints")
 
+    @property
+    def loggers(self) -> tuple[str, ...]:
+        """``--log-with`` as names, in order, without repeats."""
+        names = (name.strip() for name in self.log_with.split(","))
+        return tuple(dict.fromkeys(name for name in names if name))
+
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-RUNTIME_CHOICES = {"wgrad": recipe_names}
-"""Fields whose choices are read when asked, not at import: a recipe registered at runtime
-(``aligndp.register_recipe``) is a valid ``--wgrad``, as it is for ``parallelize`` and
-``aligndp layout``."""
+def _recipe_names() -> list[str]:
+    from aligndp.lowp.recipes import recipe_names  # imports torch: only when a config is built
+
+    return recipe_names()
+
+
+RUNTIME_CHOICES = {"wgrad": _recipe_names}
+"""Fields whose choices are read when a config is built, not at import nor in the parser: a
+recipe registered at runtime (``aligndp.register_recipe``) is a valid ``--wgrad``, as it is for
+``parallelize`` and ``aligndp layout``."""
 
 
 def _choices(name: str, hint: object) -> tuple[str, ...]:
@@ -186,42 +232,60 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+METAVARS = {"resume_from": "CHECKPOINT", "log_with": "NAME[,NAME]", "data": "FILE"}
+"""Flags whose value reads better under another name than the field's."""
+
+
+def _help(name: str, docs: dict[str, str]) -> str:
+    text = docs.get(name, "")
+    return text.replace("{presets}", describe_presets()) if name == "preset" else text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`TrainConfig` field: ``--batch-size`` for ``batch_size``, and so on."""
+    """One flag per :class:`TrainConfig` field (``--batch-size`` for ``batch_size``; a field
+    that defaults to True gets ``--no-...``), and ``--config``.
+
+    Every flag defaults to "not given" (argparse.SUPPRESS): :func:`config_from_args` lays the
+    given ones over ``--config``'s values over the field defaults."""
     hints = typing.get_type_hints(TrainConfig)
     docs = _field_docs(TrainConfig)
+    parser.add_argument(
+        "--config",
+        metavar="TOML",
+        help="Read the options from this TOML file: one key per flag, written as the field "
+        "(batch_size = 32) or the flag (batch-size = 32), as in the run.toml every run writes "
+        "into --out; flags given beside it override it.",
+    )
     for field in dataclasses.fields(TrainConfig):
-        hint, flag, help_text = (
-            hints[field.name],
-            "--" + _flag(field.name),
-            docs.get(field.name, ""),
-        )
+        hint, flag, help_text = hints[field.name], "--" + _flag(field.name), _help(field.name, docs)
+        common = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
         if hint is bool:
-            parser.add_argument(flag, action="store_true", help=help_text)
+            if field.default:
+                parser.add_argument("--no-" + _flag(field.name), action="store_false", **common)
+            else:
+                parser.add_argument(flag, action="store_true", **common)
             continue
         if hint == bool | None:  # --flag / --no-flag, neither: the field's default (None)
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
             continue
-        choices = _choices(field.name, hint)
-        if choices:
-            kind = str
-        else:
-            kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
-        default = "" if field.default is None else f" (default: {field.default})"
+        choices = () if field.name in RUNTIME_CHOICES else _choices(field.name, hint)
+        default = "" if field.default in (None, "") else f" (default: {field.default})"
         parser.add_argument(
             flag,
-            type=kind,
+            type=field_type(hint),
             choices=choices or None,
-            default=field.default,
-            metavar=None if choices else field.name.upper(),
-            help=help_text + default,
+            metavar=None if choices else METAVARS.get(field.name, field.name.upper()),
+            **{**common, "help": help_text + default},
         )
 
 
 def config_from_args(args: argparse.Namespace, *, world_size: int | None = None) -> TrainConfig:
-    """The config the flags give; ``world_size``: torchrun's, which replaces ``--nproc``
-    before the checks that depend on the rank count (batch split, ``--replicas``) run."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    """The config the flags give, over ``--config``'s file, over the defaults; ``world_size``:
+    torchrun's, which replaces ``--nproc`` before the checks that depend on the rank count
+    (batch split, ``--replicas``) run."""
+    values = read_toml(args.config, TrainConfig) if getattr(args, "config", None) else {}
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    values.update({name: getattr(args, name) for name in names if hasattr(args, name)})
     if world_size is not None:
         values["nproc"] = world_size
     return TrainConfig(**values)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -24,6 +22,9 @@ import torch.distributed as dist
 
 import aligndp
 from aligndp.app.data import BatchSpec, TokenData
+from aligndp.app.metric_sinks import MetricSinks
+from aligndp.app.run_checkpoints import StopRequest, checkpoint_dir, resume_point
+from aligndp.app.schedule import warmup_cosine
 from aligndp.app.train_config import TrainConfig, compiles, describe_mesh
 from aligndp.app.train_report import (
     MetricsLog,
@@ -41,8 +42,6 @@ __all__ = [
     "train_worker",
     "launched_worker",
     "load_data",
-    "latest_checkpoint",
-    "lr_factor",
     "wgrad_backend",
     "EVAL_BATCHES",
 ]
@@ -50,47 +49,9 @@ __all__ = [
 EVAL_BATCHES = 4
 """Global batches of the held-out split in one evaluation (the same ones every time)."""
 
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
-
 
 def load_data(config: TrainConfig) -> TokenData:
     return TokenData.from_file(config.data) if config.data else TokenData.synthetic()
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """Path of the ``step-NNNNNN`` entry with the highest step in ``directory``, if any."""
-    if not os.path.isdir(directory):
-        return None
-    steps = [
-        (int(m.group(1)), name)
-        for name in os.listdir(directory)
-        if (m := _CHECKPOINT_NAME.match(name))
-    ]
-    return os.path.join(directory, max(steps)[1]) if steps else None
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """Multiplier of the peak lr at ``step`` (0-based) of ``steps``.
-
-    Linear warm-up over the first ``min(20, steps // 10)`` steps (so the first step is not
-    taken at full lr from random init), then cosine decay from 1 to 0.1 at the last step.
-    """
-    warmup = min(20, steps // 10)
-    if step < warmup:
-        return (step + 1) / warmup
-    decay_steps = max(1, steps - 1 - warmup)
-    progress = min(1.0, (step - warmup) / decay_steps)
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-
-def _set_lr(optimizer, peak_lrs: list[float], factor: float) -> None:
-    """Set every param group's lr to ``factor`` times its peak (the lr it was built with).
-
-    The peaks are read once, before a checkpoint is loaded: a loaded optimizer carries the
-    scaled lr of its last step, not the peak.
-    """
-    for group, peak in zip(getattr(optimizer, "param_groups", ()), peak_lrs):
-        group["lr"] = peak * factor
 
 
 def wgrad_backend(config: TrainConfig) -> str | None:
@@ -176,7 +137,7 @@ class _Job:
     rank: int
     dp_size: int
     peak_lrs: list[float]
-    """Each optimizer param group's lr as built (see _set_lr)."""
+    """Each optimizer param group's lr as built (see schedule.warmup_cosine)."""
     forward: Callable
     """``model``, or ``torch.compile(model)`` (TrainConfig.compile): what batches go through."""
 
@@ -190,11 +151,13 @@ class _Job:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def global_mean(self, value: torch.Tensor) -> float:
-        """Mean of a scalar over all ranks."""
-        value = value.detach().float().reshape(1).to(self.device)
-        dist.all_reduce(value)
-        return value.item() / self.dp_size
+    def global_mean(self, value: torch.Tensor, *, stop: bool = False) -> tuple[float, bool]:
+        """Mean of a scalar over all ranks, and whether any rank asked to stop (Ctrl-C: see
+        run_checkpoints.StopRequest), in one all-reduce."""
+        both = torch.stack([value.detach().float().reshape(()).cpu(), torch.tensor(float(stop))])
+        both = both.to(self.device)
+        dist.all_reduce(both)
+        return both[0].item() / self.dp_size, bool(both[1].item() > 0)
 
 
 def _setup(config: TrainConfig) -> _Job:
@@ -238,8 +201,9 @@ def _setup(config: TrainConfig) -> _Job:
     return _Job(config, model, optimizer, data, spec, device, rank, dp_size, peak_lrs, forward)
 
 
-def _train_step(job: _Job, step: int) -> float:
-    """One optimizer step on global batch ``step``; returns the global batch's mean loss."""
+def _train_step(job: _Job, step: int, stop: StopRequest) -> tuple[float, bool]:
+    """One optimizer step on global batch ``step``; returns the global batch's mean loss and
+    whether any rank was asked to stop."""
     micro_batches = job.spec.micro_batches
     loss_sum = torch.zeros((), device=job.device)
     for micro_batch in range(micro_batches):
@@ -254,7 +218,7 @@ def _train_step(job: _Job, step: int) -> float:
         loss_sum += loss.detach()
     job.optimizer.step()
     job.optimizer.zero_grad()
-    return job.global_mean(loss_sum / micro_batches)
+    return job.global_mean(loss_sum / micro_batches, stop=stop.requested)
 
 
 @torch.no_grad()
@@ -266,14 +230,15 @@ def _evaluate(job: _Job) -> float:
         x, y = job.data.batch(index, spec, seed=0, rank=job.rank, split="eval")
         with job.autocast():
             total += job.forward(x.to(job.device), y.to(job.device)).float()
-    return job.global_mean(total / EVAL_BATCHES)
+    return job.global_mean(total / EVAL_BATCHES)[0]
 
 
-def _checkpoint(job: _Job, step: int) -> None:
-    path = os.path.join(job.config.checkpoint_path, f"step-{step:06d}")
+def _checkpoint(job: _Job, step: int) -> str:
+    path = checkpoint_dir(job.config.checkpoint_path, step)
     aligndp.save(path, job.model, job.optimizer, step=step, timeout=job.config.timeout)
     if job.config.keep_last and job.rank == 0:
         prune_checkpoints(job.config.checkpoint_path, job.config.keep_last)
+    return path
 
 
 def _train(config: TrainConfig) -> dict:
@@ -283,10 +248,7 @@ def _train(config: TrainConfig) -> dict:
         start_step = 0
         if config.resume:
             start_step = aligndp.load(
-                latest_checkpoint(config.checkpoint_path),
-                job.model,
-                job.optimizer,
-                timeout=config.timeout,
+                resume_point(config), job.model, job.optimizer, timeout=config.timeout
             )
     except NotImplementedError as e:
         # Raised alike on every rank (it depends on the options only): one line, exit 2.
@@ -296,47 +258,65 @@ def _train(config: TrainConfig) -> dict:
     if job.rank == 0:
         os.makedirs(config.out, exist_ok=True)
         _print_header(job, start_step)
+    scheduler = warmup_cosine(
+        job.optimizer, steps=config.steps, peak_lrs=job.peak_lrs, start_step=start_step
+    )
     metrics = MetricsLog(
-        os.path.join(config.out, "metrics.jsonl"), start_step=start_step, enabled=job.rank == 0
+        os.path.join(config.out, "metrics.jsonl"),
+        start_step=start_step,
+        enabled=job.rank == 0,
+        sinks=MetricSinks(config, enabled=job.rank == 0),
     )
     tokens_per_step = config.batch_size * job.spec.seq_len
     progress = Progress(total=config.steps, initial=start_step, enabled=job.rank == 0)
     timed_tokens, timed_seconds = 0, 0.0
     # a run resumed from its last checkpoint has no step left: report what metrics.jsonl holds
-    train_loss = metrics.records[-1]["loss"] if metrics.records else float("nan")
-    eval_loss = next(
-        (r["eval_loss"] for r in reversed(metrics.records) if "eval_loss" in r), float("nan")
-    )
-    for step in range(start_step, config.steps):
-        factor = lr_factor(step, config.steps)
-        _set_lr(job.optimizer, job.peak_lrs, factor)
-        started = time.perf_counter()
-        train_loss = _train_step(job, step)
-        seconds = time.perf_counter() - started
-        if step > start_step:  # the first step pays for warm-up; leave it out of the rate
-            timed_tokens, timed_seconds = timed_tokens + tokens_per_step, timed_seconds + seconds
-        record = {
-            "step": step,
-            "loss": train_loss,
-            "lr": config.lr * factor,
-            "tokens_per_s": tokens_per_step / seconds,
-            "step_s": seconds,
-        }
-        done = step + 1
-        if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
-            eval_loss = record["eval_loss"] = _evaluate(job)
-        if config.checkpoint_every and done % config.checkpoint_every == 0:
-            try:
-                _checkpoint(job, done)
-            except (
-                ValueError,
-                OSError,
-            ) as e:  # raised alike on every rank ([Note: checkpoint safety])
+    train_loss = metrics.records[-1]["loss"] if metrics.records else None
+    eval_loss = next((r["eval_loss"] for r in reversed(metrics.records) if "eval_loss" in r), None)
+    saved = resume_point(config) if config.resume else None  # the newest checkpoint
+    with StopRequest() if config.final_checkpoint else contextlib.nullcontext() as stop:
+        stop = stop or StopRequest()
+        for step in range(start_step, config.steps):
+            lr = scheduler.get_last_lr()[0]
+            started = time.perf_counter()
+            train_loss, stopping = _train_step(job, step, stop)
+            scheduler.step()
+            seconds = time.perf_counter() - started
+            if step > start_step:  # the first step pays for warm-up; leave it out of the rate
+                timed_tokens += tokens_per_step
+                timed_seconds += seconds
+            record = {
+                "step": step,
+                "loss": train_loss,
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / seconds,
+                "step_s": seconds,
+            }
+            done = step + 1
+            if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+                eval_loss = record["eval_loss"] = _evaluate(job)
+            final = done == config.steps or stopping
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or (
+                final and config.final_checkpoint
+            ):
+                try:
+                    saved = _checkpoint(job, done)
+                except (ValueError, OSError) as e:  # alike on every rank: [Note: checkpoint safety]
+                    progress.close()
+                    metrics.close()
+                    return {"error": str(e)}
+            metrics.write(record)
+            progress.update(record)
+            if stopping:
                 progress.close()
-                return {"error": str(e)}
-        metrics.write(record)
-        progress.update(record)
+                metrics.close()
+                if job.rank == 0:
+                    print(
+                        f"stopped after step {done}: saved {saved} (--resume goes on)", flush=True
+                    )
+                raise KeyboardInterrupt
     progress.close()
+    metrics.close()
     in_sync = _replicas_in_sync(job)
     summary = Summary(
         steps=config.steps,
@@ -347,10 +327,11 @@ def _train(config: TrainConfig) -> dict:
         train_loss=train_loss,
         eval_loss=eval_loss,
         first_loss=metrics.first_loss,
-        tokens_per_s=timed_tokens / timed_seconds if timed_seconds else float("nan"),
+        tokens_per_s=timed_tokens / timed_seconds if timed_seconds else None,
         replicas_in_sync=in_sync,
         peak_memory_bytes=_max_over_ranks(job, peak_memory_bytes(job.device)),
         wall_s=time.perf_counter() - wall_started,
+        checkpoint=saved,
     )
     return finish_report(summary, job.model, out=config.out, metrics=metrics, enabled=job.rank == 0)
 

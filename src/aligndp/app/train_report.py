@@ -19,6 +19,7 @@ from aligndp.app.train_config import describe_mesh
 
 __all__ = [
     "MetricsLog",
+    "strict",
     "Progress",
     "Summary",
     "finish_report",
@@ -28,35 +29,59 @@ __all__ = [
 ]
 
 
+def strict(value: object) -> object:
+    """``value`` with every NaN or infinite float replaced by None (JSON's null): what the project
+    writes is strict JSON (``json.dump(..., allow_nan=False)``), which every parser reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(value: object, **kwargs) -> str:
+    """Strict JSON of ``value`` (see :func:`strict`)."""
+    return json.dumps(strict(value), allow_nan=False, **kwargs)
+
+
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per step with ``step``, ``loss``, ``lr``, ``tokens_per_s``
-    (and ``eval_loss`` on evaluation steps).
+    (and ``eval_loss`` on evaluation steps); each record also goes to ``sinks`` (``--log-with``).
 
     A resumed run (``start_step`` > 0) keeps the records of the steps before ``start_step`` and
     drops any later ones the interrupted run wrote, so the file reads as one uninterrupted run.
     """
 
-    def __init__(self, path: str, *, start_step: int = 0, enabled: bool = True):
+    def __init__(self, path: str, *, start_step: int = 0, enabled: bool = True, sinks=None):
         self.path = path
         self.enabled = enabled
+        self.sinks = sinks
         self.records: list[dict] = []
         if not enabled:
             return
         if start_step > 0 and os.path.exists(path):
             self.records = [r for r in read_metrics(path) if r["step"] < start_step]
         with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+            f.writelines(dumps(r) + "\n" for r in self.records)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self.records.append(record)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps(record) + "\n")
+        if self.sinks is not None:
+            self.sinks.log(record)
+
+    def close(self) -> None:
+        if self.sinks is not None:
+            self.sinks.close()
 
     @property
-    def first_loss(self) -> float:
-        return self.records[0]["loss"] if self.records else float("nan")
+    def first_loss(self) -> float | None:
+        return self.records[0]["loss"] if self.records else None
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -135,14 +160,15 @@ class Summary:
     over ``dp_size / replicas`` ranks."""
     vocab_size: int
     """Tokens in the model's vocabulary (ln of it is the loss of a uniform guess)."""
-    first_loss: float
+    first_loss: float | None
     """Global-batch loss of the first step in metrics.jsonl (step 0, also after a resume)."""
-    train_loss: float
+    train_loss: float | None
     """Global-batch loss of the last step."""
-    eval_loss: float
+    eval_loss: float | None
     """Held-out loss after the last step."""
-    tokens_per_s: float
-    """Training tokens per second over all ranks, first step left out."""
+    tokens_per_s: float | None
+    """Training tokens per second over all ranks, first step left out (None: fewer than two
+    steps were trained)."""
     replicas_in_sync: bool
     """Every rank holds bit-identical params at the end."""
     peak_memory_bytes: int = 0
@@ -150,11 +176,12 @@ class Summary:
     padding_numel: int = 0
     padded_numel: int = 0
     wall_s: float = 0.0
+    checkpoint: str | None = None
+    """The run's newest checkpoint (None: --no-final-checkpoint and no --checkpoint-every)."""
 
     def lines(self) -> list[str]:
-        padding = (
-            100 * self.padding_numel / self.padded_numel if self.padded_numel else float("nan")
-        )
+        padded = self.padded_numel
+        padding = f"{100 * self.padding_numel / padded:.2f}%" if padded else "n/a"
         if self.start_step < self.steps:
             trained = (
                 f"trained steps {self.start_step}..{self.steps - 1} on {self.dp_size} rank(s)"
@@ -165,15 +192,21 @@ class Summary:
                 f"nothing left to train: resumed at step {self.start_step} of {self.steps} "
                 "(raise --steps to go on)"
             )
+        kept = (
+            f"checkpoint {self.checkpoint} (--resume continues it; --resume --steps N extends it)"
+            if self.checkpoint
+            else "no checkpoint kept (--no-final-checkpoint)"
+        )
         return [
             trained,
-            f"loss {self.first_loss:.4f} -> {self.train_loss:.4f} (train), "
-            f"eval {self.eval_loss:.4f} (a uniform guess over {self.vocab_size:,} tokens: "
-            f"{math.log(self.vocab_size):.4f})",
-            f"throughput {self.tokens_per_s:,.0f} tokens/s, "
+            kept,
+            f"loss {_figure(self.first_loss, '.4f')} -> {_figure(self.train_loss, '.4f')} (train), "
+            f"eval {_figure(self.eval_loss, '.4f')} (a uniform guess over {self.vocab_size:,} "
+            f"tokens: {math.log(self.vocab_size):.4f})",
+            f"throughput {_figure(self.tokens_per_s, ',.0f')} tokens/s, "
             f"peak memory {self.peak_memory_bytes / 2**20:,.1f} MiB per rank",
             f"grad buffers: {self.padding_numel:,} padding elements of {self.padded_numel:,} "
-            f"({padding:.2f}%)",
+            f"({padding})",
             "replicas in sync: "
             + (
                 "yes (identical param hashes on every rank)"
@@ -181,6 +214,10 @@ class Summary:
                 else "NO: param hashes differ between ranks"
             ),
         ]
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
 
 
 def plot_loss(records: list[dict], path: str) -> None:
@@ -230,7 +267,7 @@ def finish_report(summary: Summary, model, *, out: str, metrics: MetricsLog, ena
     if not enabled:
         return result
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        f.write(dumps(result, indent=2) + "\n")
     plot_loss(metrics.records, os.path.join(out, "loss.png"))
     written = ["metrics.jsonl", "loss.png", "summary.json"]
     if layouts and _plot_layout(layouts, os.path.join(out, "layout.png")):

@@ -2,64 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aligndp.models.presets import PRESETS, GPTConfig
+
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    """Shape of a decoder-only transformer."""
-
-    vocab_size: int = 256
-    """Tokens in the vocabulary (256 for byte-level text)."""
-    seq_len: int = 64
-    """Longest context; the learned position table has this many rows."""
-    dim: int = 64
-    """Model width."""
-    num_layers: int = 2
-    """Transformer blocks."""
-    head_dim: int = 16
-    """Width of one attention head; ``dim`` must be a multiple of it."""
-    mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of ``dim``."""
-    tied: bool = False
-    """Share the token embedding with the output head."""
-    bias: bool = True
-    """Linear layers carry biases."""
-
-    def __post_init__(self) -> None:
-        for field in ("vocab_size", "seq_len", "dim", "num_layers", "head_dim", "mlp_ratio"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
-        if self.dim % self.head_dim:
-            raise ValueError(
-                f"GPTConfig.dim={self.dim} must be a multiple of head_dim={self.head_dim}"
-            )
-
-    @property
-    def num_heads(self) -> int:
-        return self.dim // self.head_dim
-
-
-PRESETS: dict[str, GPTConfig] = {
-    # CPU demo: ~0.2 M params, trains in seconds on 2 cores.
-    "demo": GPTConfig(vocab_size=256, seq_len=64, dim=64, num_layers=2, head_dim=16),
-    # Odd sizes on purpose (no dim a multiple of 64) to exercise padding.
-    "tiny-odd": GPTConfig(vocab_size=97, seq_len=32, dim=40, num_layers=2, head_dim=10),
-    "gpt2-small": GPTConfig(
-        vocab_size=50257, seq_len=1024, dim=768, num_layers=12, head_dim=64, tied=True
-    ),
-    "gpt2-medium": GPTConfig(
-        vocab_size=50257, seq_len=1024, dim=1024, num_layers=24, head_dim=64, tied=True
-    ),
-    # ~0.94 B params: the GPU benchmark model (same shapes as shared/anchors/peer_bench.py).
-    "1b": GPTConfig(vocab_size=32768, seq_len=1024, dim=2048, num_layers=16, head_dim=128),
-}
 
 
 class Block(nn.Module):

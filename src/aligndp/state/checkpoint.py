@@ -236,7 +236,7 @@ def save(
         try:
             meta["checksums"][".metadata"] = file_checksum(os.path.join(partial, ".metadata"))
             with open(os.path.join(partial, META_FILE), "w") as f:
-                json.dump(meta, f, indent=1)
+                json.dump(meta, f, indent=1, allow_nan=False)
             old = path + ".old"
             if os.path.exists(path):
                 shutil.rmtree(
