@@ -26,7 +26,9 @@ class GPTConfig:
     head_dim: int = 16
     """Width of one attention head; ``dim`` must be a multiple of it."""
     mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of ``dim``."""
+    """Hidden width of the MLP as a multiple of ``dim`` (unless ``mlp_hidden`` is given)."""
+    mlp_hidden: int | None = None
+    """Hidden width of the MLP in elements (Llama-3-8B: 14336); None: ``mlp_ratio * dim``."""
     tied: bool = False
     """Share the token embedding with the output head."""
     bias: bool = True
@@ -36,10 +38,17 @@ class GPTConfig:
         for field in ("vocab_size", "seq_len", "dim", "num_layers", "head_dim", "mlp_ratio"):
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"GPTConfig.mlp_hidden must be >= 1 or None, got {self.mlp_hidden}")
         if self.dim % self.head_dim:
             raise ValueError(
                 f"GPTConfig.dim={self.dim} must be a multiple of head_dim={self.head_dim}"
             )
+
+    @property
+    def mlp_width(self) -> int:
+        """Hidden width of the MLP."""
+        return self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.dim
 
     @property
     def num_heads(self) -> int:
@@ -59,6 +68,11 @@ PRESETS: dict[str, GPTConfig] = {
     ),
     # ~0.94 B params: the GPU benchmark model (same shapes as shared/anchors/peer_bench.py).
     "1b": GPTConfig(vocab_size=32768, seq_len=1024, dim=2048, num_layers=16, head_dim=128),
+    # Llama-3-8B's shape (width 4096, 32 blocks, MLP 14336, vocabulary 128,256) in this GPT
+    # block: 6.97 B params (Llama's 8.03 B has SwiGLU's third MLP matrix and 8 KV heads).
+    "8b": GPTConfig(
+        vocab_size=128256, seq_len=4096, dim=4096, num_layers=32, head_dim=128, mlp_hidden=14336
+    ),
 }
 
 
@@ -70,8 +84,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.ln2 = nn.LayerNorm(cfg.dim)
-        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, bias=cfg.bias)
-        self.out = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_width, bias=cfg.bias)
+        self.out = nn.Linear(cfg.mlp_width, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape

@@ -1,0 +1,163 @@
+"""What one rank does in a step, counted the same way on any backend: collectives and memory.
+
+[Note: one probe on every backend]
+:class:`StepProbe` is a ``TorchDispatchMode``: every collective reaches torch's dispatcher as
+a ``c10d`` op whatever the backend (gloo, NCCL, or the fake one of a rehearsal, [Note:
+rehearsal on the fake process group] in runtime/fake_world.py), so the same probe records
+the real run's collectives and the rehearsal's, and tests compare them exactly: kind, group
+(its global ranks), bytes and the phase of the step that launched it. ``bytes`` is the larger
+side of the collective (the whole bucket of a reduce-scatter or all-gather, the tensor of an
+all-reduce): the payload a communication model turns into bus traffic.
+
+Memory: torch keeps no allocator statistics on the CPU, so the probe counts the bytes of
+every live tensor storage it has seen (outputs of every dispatched op, and the tensors it is
+told about before, e.g. the model's params), each storage once however many views it has,
+until the storage is freed; the peak is the largest sum. On CUDA the caller reads
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` instead (rehearse.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["CollectiveRecord", "StepProbe", "collective_kind"]
+
+_KINDS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "broadcast_": "broadcast",
+    "scatter_": "scatter",
+    "gather_": "gather",
+    "alltoall_base_": "all_to_all",
+    "barrier": "barrier",
+    "monitored_barrier_": "barrier",
+}
+
+
+def collective_kind(op_name: str) -> str:
+    """``all_reduce``, ``reduce_scatter``, ... for a ``c10d`` op's name (else the name)."""
+    return _KINDS.get(op_name, op_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective a rank launched in a step."""
+
+    kind: str
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``scatter``, ..."""
+    ranks: tuple[int, ...]
+    """Global ranks of its group (its size is ``len(ranks)``)."""
+    bytes: int
+    """Bytes of its larger side: the whole buffer of a reduce-scatter or all-gather."""
+    dtype: str
+    phase: str
+    """The part of the step that launched it: forward, backward, optimizer."""
+    at_ms: float
+    """Milliseconds from the start of the step to its launch (on the rank's clock)."""
+
+    @property
+    def group_size(self) -> int:
+        return len(self.ranks)
+
+    def key(self) -> tuple:
+        """What must equal between a rehearsal and a real run (no clock)."""
+        return (self.kind, self.ranks, self.bytes, self.dtype, self.phase)
+
+
+def _group_ranks(args: Iterable) -> tuple[int, ...]:
+    for a in args:
+        if type(a).__name__ == "ScriptObject":
+            try:
+                group = dist.ProcessGroup.unbox(a)
+            except RuntimeError:  # a ReduceOp, not a group
+                continue
+            return tuple(dist.get_process_group_ranks(group))
+    return ()
+
+
+def _side_bytes(arg: object) -> tuple[int, str]:
+    tensors = [t for t in tree_leaves(arg) if isinstance(t, torch.Tensor)]
+    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
+    return sum(t.numel() * t.element_size() for t in tensors), dtype
+
+
+class StepProbe(TorchDispatchMode):
+    """Records collectives and live tensor-storage bytes while active
+    ([Note: one probe on every backend]). Set :attr:`phase` as the step moves on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.recording = False
+        self.collectives: list[CollectiveRecord] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._seen: set[int] = set()
+        self._t0 = time.perf_counter()
+
+    def start_step(self) -> None:
+        """Clear the collectives and restart the clock (the peak is kept: of the whole run)."""
+        self.collectives.clear()
+        self.recording = True
+        self._t0 = time.perf_counter()
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of tensors made before the probe was active (params, buffers)."""
+        for t in tensors:
+            self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors
+            return
+        key = id(storage)
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and self.recording:
+            name = func.__name__.split(".")[0]
+            sides = [_side_bytes(a) for a in args[:2]]
+            nbytes, dtype = max(sides) if sides else (0, "")
+            self.collectives.append(
+                CollectiveRecord(
+                    kind=collective_kind(name),
+                    ranks=_group_ranks(args),
+                    bytes=nbytes,
+                    dtype=dtype,
+                    phase=self.phase,
+                    at_ms=(time.perf_counter() - self._t0) * 1e3,
+                )
+            )
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return out
