@@ -1,4 +1,4 @@
-"""`aligndp` / `python -m aligndp`: subcommands `train` and `layout`.
+"""`aligndp` / `python -m aligndp`: subcommands `train`, `layout` and `rehearse`.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``. User errors (ValueError/TypeError) and OSErrors (a file that cannot be
@@ -17,6 +17,10 @@ SUBCOMMANDS = {
         "train a GPT data-parallel (CPU demo on 2 gloo ranks by default)",
     ),
     "layout": ("aligndp.app.layout_cli", "plan and show the flat buffer layout of a model"),
+    "rehearse": (
+        "aligndp.app.rehearse_cli",
+        "play rank r of a D-rank job on one device: memory, step time, collectives",
+    ),
 }
 
 

@@ -5,10 +5,11 @@
 this device: the plan, the buffers, ``parallelize``'s wrapper and optimizer, forward,
 backward and the optimizer step with their kernels; collectives are launched and counted
 (:class:`~aligndp.app.rehearse_probe.StepProbe`), and move nothing. What aligndp decides from
-other ranks' answers at wrap time is answered in one place ([Note: rehearsal on the fake
-process group] in runtime/fake_world.py). :func:`measure_step` is the part that runs on
-*any* process group, so the tests run it on gloo at D = 2, 3, 4 and a 2 x 2 mesh and compare
-the collectives and memory with the rehearsal's.
+other ranks' answers at wrap time is answered in one place
+([Note: rehearsal on the fake process group] in runtime/fake_world.py).
+:func:`~aligndp.app.rehearse_step.measure_step` is the part that runs on *any* process
+group, so the tests run it on gloo at D = 2, 3, 4 and a 2 x 2 mesh and compare the
+collectives and memory with the rehearsal's.
 
 With ``ranks=None`` (``--rank all``) the plan is made once (on the meta device: it is pure)
 and every rank gets its analytical memory and, for layer-wise optimizers, its Newton–Schulz
@@ -22,231 +23,29 @@ A rank whose analytical memory exceeds what the device holds is not run: it does
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from aligndp.app.rehearse_cost import (
-    CommModel,
-    analytic_bytes,
-    predicted_step,
-    rank_ns_seconds,
-)
-from aligndp.app.rehearse_probe import CollectiveRecord, StepProbe
+from aligndp.app.rehearse_cost import analytic_bytes, predicted_step, rank_ns_seconds
+from aligndp.app.rehearse_probe import CollectiveRecord
+from aligndp.app.rehearse_step import RehearsalOptions, StepMeasurement, measure_step
 from aligndp.optim.registry import whole_matrix_spec
 from aligndp.plan.request import plan_buffers
 from aligndp.plan.spec import Mode, max_over_mean
 
-__all__ = ["RehearsalOptions", "RankReport", "Rehearsal", "measure_step", "rehearse"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class RehearsalOptions:
-    """The job a rehearsal plays, and how it measures; checked in ``__post_init__``."""
-
-    preset: str = "demo"
-    """GPT preset (aligndp.models.gpt.PRESETS)."""
-    dp_size: int = 8
-    """Ranks of the rehearsed job (every replica's)."""
-    replicas: int = 1
-    """Replicas of a (replicas, dp_size / replicas) mesh ([Note: replicate x shard mesh])."""
-    ranks: tuple[int, ...] | None = (0,)
-    """Ranks to rehearse; None: all (the step itself runs for a sample, [Note: rehearsal])."""
-    sharding: str = "none"
-    """``none`` (DDP) or ``zero1`` (ZeRO-1; layer-wise for a whole-matrix optimizer)."""
-    optimizer: str = "adamw"
-    wgrad: str = "none"
-    fp8_param_gather: bool = False
-    batch_size: int = 1
-    seq_len: int | None = None
-    """Tokens per sequence; None: the preset's."""
-    dtype: str = "fp32"
-    """Param dtype the model is built in: ``fp32`` or ``bf16``."""
-    autocast: bool = False
-    """Forward and backward under bf16 autocast."""
-    compile: bool = False
-    device: str = "cpu"
-    steps: int = 1
-    """Timed steps after one warm-up step."""
-    sample: int = 3
-    """With every rank: how many ranks run the step on the device."""
-    bucket_numel: int | None = None
-    """Elements per bucket; None: parallelize's default."""
-    ns_repeats: int = 3
-    """Timings of each Newton–Schulz part shape (the median is kept)."""
-    comm: CommModel = CommModel()
-
-    def __post_init__(self) -> None:
-        from aligndp.models.gpt import PRESETS
-
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}: choose one of {', '.join(PRESETS)}")
-        if self.dp_size < 1:
-            raise ValueError(f"--dp must be >= 1, got {self.dp_size}")
-        if self.replicas < 1 or self.dp_size % self.replicas:
-            raise ValueError(
-                f"--replicas {self.replicas} must divide --dp {self.dp_size} (each replica "
-                "shards over dp / replicas ranks)"
-            )
-        for rank in self.ranks or ():
-            if not 0 <= rank < self.dp_size:
-                raise ValueError(f"--rank {rank} is outside 0..{self.dp_size - 1} (--dp)")
-        for name in ("batch_size", "steps", "sample", "ns_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
-
-    @property
-    def layerwise(self) -> bool:
-        return self.sharding == "zero1" and whole_matrix_spec(self.optimizer) is not None
-
-    def model(self, device: torch.device | str) -> torch.nn.Module:
-        """The preset on ``device`` in :attr:`dtype` (seeded: every rank builds the same)."""
-        from aligndp.models.gpt import GPT, PRESETS
-
-        torch.manual_seed(0)
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPES[self.dtype])
-        try:
-            with torch.device(device):
-                return GPT(PRESETS[self.preset])
-        finally:
-            torch.set_default_dtype(old)
-
-    def parallelize_kwargs(self) -> dict:
-        kwargs = dict(
-            optimizer=self.optimizer,
-            sharding=self.sharding,
-            lr=1e-4,
-            wgrad=None if self.wgrad == "none" else self.wgrad,
-            fp8_param_gather=self.fp8_param_gather,
-        )
-        if self.bucket_numel is not None:
-            kwargs["bucket_numel"] = self.bucket_numel
-        return kwargs
-
-
-@dataclasses.dataclass
-class StepMeasurement:
-    """What :func:`measure_step` measured of one rank."""
-
-    seconds: dict[str, float]
-    """Mean seconds per timed step: forward, backward, optimizer (its param gather
-    included) and gather (the param gather's own part of it)."""
-    collectives: list[CollectiveRecord]
-    """Every collective of the last timed step, in launch order."""
-    peak_allocated: int
-    peak_reserved: int
-    layouts: list
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def _timed_gather(ddp, spent: list[float]):
-    """Add the seconds spent in the param gather's launches and waits to ``spent[0]``."""
-    gather = ddp.param_gather
-    names = ("launch_stepped", "launch_rest", "launch_bucket", "wait", "wait_all")
-    originals = {n: getattr(gather, n) for n in names}
-
-    def timed(fn):
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        return call
-
-    for n, fn in originals.items():
-        setattr(gather, n, timed(fn))
-    try:
-        yield
-    finally:
-        for n in names:
-            delattr(gather, n)
-
-
-def measure_step(options: RehearsalOptions) -> StepMeasurement:
-    """Build, wrap and step ``options``' job on the process group already initialised (gloo,
-    NCCL or fake) as this rank: one warm-up step, then ``options.steps`` timed ones."""
-    import aligndp
-
-    device = (
-        torch.device(options.device, torch.cuda.current_device())
-        if (options.device == "cuda")
-        else torch.device("cpu")
-    )
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    probe = StepProbe()
-    with probe:
-        model = options.model(device)
-        mesh = aligndp.replica_mesh(options.replicas, device.type) if options.replicas > 1 else None
-        ddp, opt = aligndp.parallelize(model, mesh=mesh, **options.parallelize_kwargs())
-        step_fn = torch.compile(ddp) if options.compile else ddp
-        cfg = model.cfg
-        seq_len = options.seq_len or cfg.seq_len
-        gen = torch.Generator().manual_seed(1)
-        tokens = torch.randint(cfg.vocab_size, (options.batch_size, seq_len + 1), generator=gen)
-        x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-        totals = dict.fromkeys(("forward", "backward", "optimizer", "gather"), 0.0)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=options.autocast)
-        for step in range(options.steps + 1):
-            timed = step > 0
-            if timed:
-                probe.start_step()
-            spent = [0.0]
-            with _timed_gather(ddp, spent):
-                marks = [time.perf_counter()]
-                for phase in ("forward", "backward", "optimizer"):
-                    probe.phase = phase
-                    if phase == "forward":
-                        with autocast:
-                            loss = step_fn(x, y)
-                    elif phase == "backward":
-                        loss.backward()
-                    else:
-                        opt.step()
-                        opt.zero_grad()
-                    _sync(device)
-                    marks.append(time.perf_counter())
-            if timed:
-                for phase, (a, b) in zip(
-                    ("forward", "backward", "optimizer"), zip(marks, marks[1:])
-                ):
-                    totals[phase] += (b - a) / options.steps
-                totals["gather"] += spent[0] / options.steps
-        probe.recording = False
-    if device.type == "cuda":
-        allocated = torch.cuda.max_memory_allocated(device)
-        reserved = torch.cuda.max_memory_reserved(device)
-    else:
-        allocated = reserved = probe.peak_bytes
-    return StepMeasurement(
-        seconds=totals,
-        collectives=list(probe.collectives),
-        peak_allocated=allocated,
-        peak_reserved=reserved,
-        layouts=ddp.layouts,
-    )
+__all__ = [
+    "RehearsalOptions",
+    "RankReport",
+    "Rehearsal",
+    "measure_step",
+    "plan_layouts",
+    "rehearse",
+    "rehearse_rank",
+]
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ until the storage is freed; the peak is the largest sum. On CUDA the caller read
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -106,8 +107,31 @@ class StepProbe(TorchDispatchMode):
         self.collectives: list[CollectiveRecord] = []
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._seen: set[int] = set()
+        self.peak_phase = "setup"
+        self._seen: dict[int, weakref.ref] = {}
         self._t0 = time.perf_counter()
+        self._paused = 0
+
+    active: StepProbe | None = None
+    """The probe in use in this process, if any (a collectives wrapper pauses it)."""
+
+    def __enter__(self):
+        StepProbe.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        StepProbe.active = None
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Storages made inside are not counted (a backend's own staging, e.g. gloo's copy of
+        a reduce-scatter's input made in ``Work.wait``, which NCCL does not make)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def start_step(self) -> None:
         """Clear the collectives and restart the clock (the peak is kept: of the whole run)."""
@@ -121,23 +145,28 @@ class StepProbe(TorchDispatchMode):
             self._add(t)
 
     def _add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
+        if t.device.type == "meta" or self._paused:
             return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse or wrapper tensors
             return
         key = id(storage)
-        if key in self._seen:
+        known = self._seen.get(key)
+        if known is not None and known() is storage:
             return
+        # an id can be reused before the old storage's finalizer has run: key by the object
         nbytes = storage.nbytes()
-        self._seen.add(key)
+        self._seen[key] = weakref.ref(storage)
         self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_phase = self.live_bytes, self.phase
         weakref.finalize(storage, self._free, key, nbytes)
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
+        known = self._seen.get(key)
+        if known is not None and known() is None:
+            del self._seen[key]
         self.live_bytes -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

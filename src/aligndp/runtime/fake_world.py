@@ -34,8 +34,8 @@ def is_fake(group: dist.ProcessGroup | None = None) -> bool:
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
     """``dist.all_gather_object`` of ``obj`` over ``group``, returned as the list of every
-    rank's object; on the fake backend every rank is this one ([Note: rehearsal on the fake
-    process group])."""
+    rank's object; on the fake backend every rank is this one
+    ([Note: rehearsal on the fake process group])."""
     world_size = dist.get_world_size(group)
     if is_fake(group):
         return [obj] * world_size
