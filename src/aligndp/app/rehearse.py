@@ -15,8 +15,8 @@ With ``ranks=None`` (``--rank all``) the plan is made once (on the meta device: 
 and every rank gets its analytical memory and, for layer-wise optimizers, its Newton–Schulz
 time, measured on the device once per distinct part shape
 (:func:`~aligndp.app.rehearse_cost.rank_ns_seconds`); the full step runs on the device for a
-sample of ranks only (rank 0, the slowest and the fastest by Newton–Schulz, up to
-``sample``), and the others take the sampled rank 0's forward, backward and collectives, with
+sample of ranks only (rank 0; layer-wise: also the slowest and the fastest by Newton–Schulz,
+up to ``sample``), and the others take the sampled rank 0's forward, backward and collectives, with
 its optimizer time moved by their Newton–Schulz difference. The report says which ranks ran.
 A rank whose analytical memory exceeds what the device holds is not run: it does not fit.
 """
@@ -206,10 +206,11 @@ def _ns_by_shard_rank(options: RehearsalOptions, layouts: Sequence) -> list[floa
 
 
 def _sample(ranks: list[int], ns_of, count: int) -> list[int]:
-    """``count`` ranks: rank 0, the slowest and fastest by Newton–Schulz (when known), the
-    middle and the last rank."""
-    picked = [ranks[0]]
-    if ns_of(ranks[0]) is not None:
-        picked += [max(ranks, key=ns_of), min(ranks, key=ns_of)]
+    """At most ``count`` ranks: rank 0, and with a layer-wise optimizer (the only mode whose
+    ranks step different work) the slowest and fastest by Newton–Schulz, the middle and the
+    last rank. DDP and ZeRO-1 ranks run the same kernels on same-sized shards: rank 0 alone."""
+    if ns_of(ranks[0]) is None:
+        return [ranks[0]]
+    picked = [ranks[0], max(ranks, key=ns_of), min(ranks, key=ns_of)]
     picked += [ranks[len(ranks) // 2], ranks[-1]]
     return list(dict.fromkeys(picked))[:count]

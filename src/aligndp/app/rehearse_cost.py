@@ -156,8 +156,8 @@ def ns_part_seconds(
     ``cols`` columns of an m-row bf16 matrix (its wide orientation) and ``rows`` rows of
     ``B``: ``ns_steps`` times one iteration of the split step's three GEMMs
     (aligndp/optim/split_ns.py; every iteration costs the same), a whole matrix being the part
-    with every column and row. One iteration is timed ``repeats`` times after one warm-up
-    (the median); communication is not in it."""
+    with every column and row. One iteration is timed ``repeats`` times (the median), after
+    one warm-up on a GPU; communication is not in it."""
     from aligndp.optim.split_ns import NS_DTYPE, apply_b, b_rows, gram_part
 
     a, b, c = _NS_COEFFICIENTS
@@ -170,12 +170,13 @@ def ns_part_seconds(
         apply_b(x, full_b, a)
 
     times = []
-    for i in range(repeats + 1):
+    warm = device.type == "cuda"  # a GPU's first launch compiles and allocates; a CPU's not
+    for i in range(repeats + warm):
         _sync(device)
         t0 = time.perf_counter()
         run()
         _sync(device)
-        if i:
+        if i or not warm:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * ns_steps
 
