@@ -156,12 +156,13 @@ def rehearse(options: RehearsalOptions) -> Rehearsal:
         )
         for r in all_ranks
     }
-    run = _sample(all_ranks, ns_of, options.sample) if options.ranks is None else all_ranks
     room = _device_bytes(options.device)
+    for report in reports.values():
+        report.fits = sum(report.analytic.values()) <= room
+    run = _sample(all_ranks, ns_of, options.sample) if options.ranks is None else all_ranks
     for r in run:
         report = reports[r]
-        if sum(report.analytic.values()) > room:
-            report.fits = False
+        if not report.fits:
             continue
         got = rehearse_rank(options, r)
         report.ran = True
@@ -177,7 +178,9 @@ def rehearse(options: RehearsalOptions) -> Rehearsal:
         if report.seconds:
             report.predicted = predicted_step(report.seconds, report.collectives, options.comm)
     ran = [r for r in run if reports[r].ran]
-    if options.ranks is None:
+    if options.ranks is None and base is None:
+        how = f"no sampled rank's plan fits in {options.device}'s free memory: the step was not run"
+    elif options.ranks is None:
         how = (
             f"step ran on {options.device} for rank(s) {ran} of {options.dp_size}; the others "
             f"take rank {base.rank if base else '-'}'s forward, backward and collectives"

@@ -10,11 +10,11 @@ this module is the one place that answers them without the other ranks:
 
 - :func:`gather_objects` (the agreement digests, the input checks' errors, split
   Newton–Schulz's group lists): every rank of a rehearsal builds the same model with the same
-  settings, so each is taken to have sent what this rank sends;
+  settings, so each is taken to have sent what this rank sends; for split Newton–Schulz
+  (optim/split_ns.py) that makes a rehearsal create only the sub-groups its own rank is in,
+  which is all it needs (a fake ``new_group`` synchronises nothing);
 - :func:`side_backend`: the side group of save/load's monitored barrier is made on the fake
-  backend (gloo cannot run over the fake store);
-- split Newton–Schulz's sub-groups (optim/split_ns.py): a fake ``new_group`` synchronises
-  nothing, so a rehearsal makes only the groups its own rank is in (:func:`is_fake`).
+  backend (gloo cannot run over the fake store).
 """
 
 from __future__ import annotations
