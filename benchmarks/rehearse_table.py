@@ -185,6 +185,25 @@ def gloo_rows(args) -> list[dict]:
     return rows
 
 
+PEERS = """
+Published figures for the same model sizes (tokens/s per GPU, measured on real jobs; ours
+above are predicted for a job rehearsed on one GPU):
+
+| source | model | GPUs | setting | tokens/s/GPU |
+|---|---|---|---|---|
+| torchtitan [1], Table 1 | Llama 3.1 8B | 8 H100 | FSDP, bf16, batch 2 x 8192, sel. AC | 5,762 |
+| same | Llama 3.1 8B | 8 H100 | FSDP + torch.compile | 6,667 |
+| same | Llama 3.1 8B | 8 H100 | FSDP + torch.compile + Float8 | 8,532 |
+| NeMo 24.12 (Megatron-core) [2] | Llama 3 8B | 8 H100 | FP8, MBS 1, seq 8192, CP 2 | 12,273 |
+| same | GPT3-5B | 64 H100 | FP8, MBS 4, seq 2048 | 23,406 |
+
+No published Megatron-LM or torchtitan figure for a ~1 B model was found; the nearest is
+NeMo's GPT3-5B. [1] github.com/pytorch/torchtitan/blob/main/docs/performance.md (Grand Teton:
+8 H100 per host over NVLink, 400 Gb/s RDMA per GPU); [2] docs.nvidia.com/nemo-framework/
+user-guide/24.12/nemotoolkit/performance/performance_summary.html (pre-training table).
+"""
+
+
 def markdown(scale, big, d1, gloo, args) -> str:
     lines = [
         f"# Rehearsal of a 1,024-GPU job on one {args.device_name} ({STAMP})",
@@ -224,7 +243,7 @@ def markdown(scale, big, d1, gloo, args) -> str:
             f"{r['collectives_equal']} ({r['collectives']}), peak rehearsed / real "
             f"{r['peak_ratio']:.4f}"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + PEERS
 
 
 def main() -> int:

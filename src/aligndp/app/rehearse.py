@@ -178,7 +178,9 @@ def rehearse(options: RehearsalOptions) -> Rehearsal:
         if report.seconds:
             report.predicted = predicted_step(report.seconds, report.collectives, options.comm)
     ran = [r for r in run if reports[r].ran]
-    if options.ranks is None and base is None:
+    if options.ranks is None and not run:
+        how = "--sample 0: the plan and the Newton-Schulz timings only, no step was run"
+    elif options.ranks is None and base is None:
         how = f"no sampled rank's plan fits in {options.device}'s free memory: the step was not run"
     elif options.ranks is None:
         how = (
@@ -213,7 +215,7 @@ def _sample(ranks: list[int], ns_of, count: int) -> list[int]:
     ranks step different work) the slowest and fastest by Newton–Schulz, the middle and the
     last rank. DDP and ZeRO-1 ranks run the same kernels on same-sized shards: rank 0 alone."""
     if ns_of(ranks[0]) is None:
-        return [ranks[0]]
+        return [ranks[0]][:count]
     picked = [ranks[0], max(ranks, key=ns_of), min(ranks, key=ns_of)]
     picked += [ranks[len(ranks) // 2], ranks[-1]]
     return list(dict.fromkeys(picked))[:count]

@@ -47,7 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the wrapper")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up")
-    parser.add_argument("--sample", type=int, default=3, help="--rank all: ranks stepped")
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=3,
+        help="--rank all: ranks stepped (0: plan and Newton-Schulz only)",
+    )
     parser.add_argument("--ns-repeats", type=int, default=3, help="timings per NS part shape")
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument(

@@ -55,7 +55,8 @@ class RehearsalOptions:
     steps: int = 1
     """Timed steps after one warm-up step."""
     sample: int = 3
-    """With every rank: how many ranks run the step on the device."""
+    """With every rank: how many ranks run the step on the device (0: none, the plan and the
+    Newton–Schulz timings only)."""
     bucket_numel: int | None = None
     """Elements per bucket; None: parallelize's default."""
     ns_repeats: int = 3
@@ -79,9 +80,13 @@ class RehearsalOptions:
         for rank in self.ranks or ():
             if not 0 <= rank < self.dp_size:
                 raise ValueError(f"--rank {rank} is outside 0..{self.dp_size - 1} (--dp)")
-        for name in ("batch_size", "steps", "sample", "ns_repeats"):
+        for name in ("batch_size", "steps", "ns_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sample < 0:
+            raise ValueError(
+                f"--sample must be >= 0 (0: plan and Newton-Schulz only), got {self.sample}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
