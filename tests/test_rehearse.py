@@ -11,7 +11,6 @@ fake backend makes only the rank's own groups, [Note: rehearsal on the fake proc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
@@ -20,14 +19,12 @@ import tempfile
 import pytest
 
 from aligndp.app.rehearse import RehearsalOptions, measure_step, rehearse_rank
-from aligndp.app.rehearse_probe import StepProbe
+from aligndp.app.rehearse_probe import UNSTAGED, register_unstaged
 from aligndp.models.gpt import GPTConfig
-from aligndp.runtime.collective_backends import register_collectives
-from aligndp.runtime.collectives import TorchCollectives
 from tests._dist import case, make_tests
 
-# width 512: at 2 and 4 ranks Muon's plan splits a matrix's Newton-Schulz over two ranks
-CONFIG = GPTConfig(vocab_size=256, seq_len=16, dim=512, num_layers=1, head_dim=64)
+# width 256: at 2 and 4 ranks Muon's plan splits a matrix's Newton-Schulz over two ranks
+CONFIG = GPTConfig(vocab_size=256, seq_len=16, dim=256, num_layers=1, head_dim=64)
 JOBS = {
     "ddp": dict(sharding="none"),
     "zero1": dict(sharding="zero1"),
@@ -37,45 +34,17 @@ JOBS = {
 
 def jobs(ws: int) -> dict[str, RehearsalOptions]:
     out = {
-        name: RehearsalOptions(config=CONFIG, dp_size=ws, bucket_numel=400_000, **kw)
+        name: RehearsalOptions(config=CONFIG, dp_size=ws, bucket_numel=100_000, **kw)
         for name, kw in JOBS.items()
     }
     if ws == 4:
         out["mesh-2x2"] = RehearsalOptions(
-            config=CONFIG, dp_size=4, replicas=2, sharding="zero1", bucket_numel=400_000
+            config=CONFIG, dp_size=4, replicas=2, sharding="zero1", bucket_numel=100_000
         )
     return out
 
 
-class _Unstaged:
-    """A gloo ``Work`` whose wait is not counted: gloo stages a reduce-scatter through a copy
-    of the whole bucket made in ``wait`` (ProcessGroupGloo has no in-place reduce-scatter),
-    which NCCL, and so a rehearsal of a GPU job, does not make."""
-
-    def __init__(self, work) -> None:
-        self.work = work
-
-    def wait(self):
-        with StepProbe.active.paused() if StepProbe.active else contextlib.nullcontext():
-            return self.work.wait()
-
-
-class UnstagedCollectives(TorchCollectives):
-    """torch's collectives, waits not counted by the probe (the real run of these tests)."""
-
-    name = "torch-unstaged"
-
-    def all_reduce_mean(self, bucket):
-        return _Unstaged(super().all_reduce_mean(bucket))
-
-    def reduce_scatter_mean(self, bucket):
-        return _Unstaged(super().reduce_scatter_mean(bucket))
-
-    def all_gather_shards(self, bucket):
-        return _Unstaged(super().all_gather_shards(bucket))
-
-
-register_collectives(UnstagedCollectives.name, UnstagedCollectives)
+register_unstaged()
 
 
 def _dir(parent_pid: int) -> str:
@@ -95,7 +64,7 @@ def case_measure_every_job_on_gloo(rank, ws):
     out = _dir(os.getppid())
     os.makedirs(out, exist_ok=True)
     measured = {
-        name: _summary(measure_step(dataclasses.replace(options, collectives="torch-unstaged")))
+        name: _summary(measure_step(dataclasses.replace(options, collectives=UNSTAGED)))
         for name, options in jobs(ws).items()
     }
     with open(os.path.join(out, f"ws{ws}-rank{rank}.pkl"), "wb") as f:

@@ -26,7 +26,7 @@ from aligndp.app.rehearse_probe import StepProbe
 from aligndp.models.gpt import GPT, PRESETS, GPTConfig
 from aligndp.runtime.fake_world import gather_objects, is_fake
 
-CONFIG = GPTConfig(vocab_size=256, seq_len=16, dim=512, num_layers=1, head_dim=64)
+CONFIG = GPTConfig(vocab_size=256, seq_len=16, dim=256, num_layers=1, head_dim=64)
 
 
 def test_collective_time_is_latency_steps_plus_ring_traffic():

@@ -29,7 +29,17 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CollectiveRecord", "StepProbe", "collective_kind"]
+from aligndp.runtime.collective_backends import register_collectives
+from aligndp.runtime.collectives import TorchCollectives
+
+__all__ = [
+    "UNSTAGED",
+    "CollectiveRecord",
+    "StepProbe",
+    "UnstagedCollectives",
+    "collective_kind",
+    "register_unstaged",
+]
 
 _KINDS = {
     "allreduce_": "all_reduce",
@@ -190,3 +200,41 @@ class StepProbe(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t)
         return out
+
+
+class _Unstaged:
+    """A ``Work`` whose wait the active probe does not count: gloo stages a reduce-scatter
+    through a copy of the whole bucket made in ``wait`` (ProcessGroupGloo has no in-place
+    reduce-scatter), which NCCL, and so a rehearsal of a GPU job, does not make."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self):
+        probe = StepProbe.active
+        with probe.paused() if probe is not None else contextlib.nullcontext():
+            return self.work.wait()
+
+
+class UnstagedCollectives(TorchCollectives):
+    """torch's collectives whose waits the probe does not count: the real gloo runs that a
+    rehearsal is checked against (tests/test_rehearse.py, benchmarks/rehearse_table.py)."""
+
+    name = "torch-unstaged"
+
+    def all_reduce_mean(self, bucket):
+        return _Unstaged(super().all_reduce_mean(bucket))
+
+    def reduce_scatter_mean(self, bucket):
+        return _Unstaged(super().reduce_scatter_mean(bucket))
+
+    def all_gather_shards(self, bucket):
+        return _Unstaged(super().all_gather_shards(bucket))
+
+
+UNSTAGED = UnstagedCollectives.name
+
+
+def register_unstaged() -> None:
+    """Make ``DDPConfig(collectives=UNSTAGED)`` available in this process (idempotent)."""
+    register_collectives(UNSTAGED, UnstagedCollectives)

@@ -136,6 +136,9 @@ class StepMeasurement:
     """Every collective of the last timed step, in launch order."""
     peak_allocated: int
     peak_reserved: int
+    probe_peak: int
+    """The probe's peak of live tensor storage (any device): equal to ``peak_allocated`` on
+    the CPU; on CUDA it leaves out the allocator's rounding and the waits it was paused in."""
     layouts: list
 
 
@@ -239,5 +242,6 @@ def measure_step(options: RehearsalOptions) -> StepMeasurement:
         collectives=list(probe.collectives),
         peak_allocated=allocated,
         peak_reserved=reserved,
+        probe_peak=probe.peak_bytes,
         layouts=ddp.layouts,
     )
