@@ -24,7 +24,7 @@ from aligndp.app.rehearse_cost import (
 )
 from aligndp.app.rehearse_probe import StepProbe
 from aligndp.models.gpt import GPT, PRESETS, GPTConfig
-from aligndp.runtime.fake_world import gather_objects, is_fake
+from aligndp.runtime.fake_world import gather_objects, init_fake_world, is_fake
 
 CONFIG = GPTConfig(vocab_size=256, seq_len=16, dim=256, num_layers=1, head_dim=64)
 
@@ -101,7 +101,7 @@ def test_probe_counts_each_storage_once_until_freed():
 
 
 def test_fake_backend_answers_for_every_rank():
-    dist.init_process_group("fake", store=dist.HashStore(), rank=2, world_size=5)
+    init_fake_world(2, 5)
     try:
         assert is_fake()
         assert gather_objects({"x": 1}) == [{"x": 1}] * 5

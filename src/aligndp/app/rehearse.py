@@ -36,6 +36,7 @@ from aligndp.app.rehearse_step import RehearsalOptions, StepMeasurement, measure
 from aligndp.optim.registry import whole_matrix_spec
 from aligndp.plan.request import plan_buffers
 from aligndp.plan.spec import Mode, max_over_mean
+from aligndp.runtime.fake_world import init_fake_world
 
 __all__ = [
     "RehearsalOptions",
@@ -127,7 +128,7 @@ def rehearse_rank(options: RehearsalOptions, rank: int) -> StepMeasurement:
             "rehearse() makes its own fake process group: call it where torch.distributed is "
             "not initialised"
         )
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=options.dp_size)
+    init_fake_world(rank, options.dp_size)
     try:
         return measure_step(options)
     finally:

@@ -21,10 +21,19 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["FAKE_BACKEND", "gather_objects", "is_fake", "side_backend"]
+__all__ = ["FAKE_BACKEND", "gather_objects", "init_fake_world", "is_fake", "side_backend"]
 
 FAKE_BACKEND = "fake"
 """torch's name of the backend that accepts every collective and moves nothing."""
+
+
+def init_fake_world(rank: int, world_size: int) -> None:
+    """Initialise the default process group on the fake backend as ``rank`` of
+    ``world_size``. torch registers the backend in a testing module (no public one, torch
+    2.9-2.13); importing it is all this needs of it."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers "fake"
+
+    dist.init_process_group(FAKE_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
 def is_fake(group: dist.ProcessGroup | None = None) -> bool:
