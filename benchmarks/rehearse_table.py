@@ -219,8 +219,8 @@ def markdown(scale, big, d1, gloo, args) -> str:
         "within 8-GPU nodes, InfiniBand 40 GB/s + 25 us across; aligndp/app/rehearse_cost.py).",
         "",
         "| D | job | fits | peak GiB | plan GiB | fwd ms | bwd ms | opt ms | NS max/mean "
-        "| NS max ms | step ms (overlap / none) | tokens/s/GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| NS max ms | opt / (fwd + bwd) | step ms (overlap / none) | tokens/s/GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in scale:
         s, p = r["seconds"], r["predicted"]
@@ -231,10 +231,12 @@ def markdown(scale, big, d1, gloo, args) -> str:
         step = f"{p['overlap_s'] * 1e3:.1f} / {p['no_overlap_s'] * 1e3:.1f}" if p else "-"
         ns = f"{r['ns_max_over_mean']:.3f}" if r["ns_max_over_mean"] else "-"
         tps = f"{r['tokens_per_s_gpu']:,.0f}" if r["tokens_per_s_gpu"] else "-"
+        fb = s.get("forward", 0) + s.get("backward", 0)
+        share = f"{s['optimizer'] / fb:.3f}" if fb else "-"
         lines.append(
             f"| {r['dp']} | {r['job']} | {'yes' if r['fits'] else 'NO'} | {r['peak_gib']:.2f} "
             f"| {r['plan_gib']:.2f} | {ms('forward')} | {ms('backward')} | {ms('optimizer')} "
-            f"| {ns} | {r['ns_max_ms']:.2f} | {step} | {tps} |"
+            f"| {ns} | {r['ns_max_ms']:.2f} | {share} | {step} | {tps} |"
         )
     lines += ["", f"8b preset, ZeRO-1 at D = 64, bf16 params + autocast, batch 1 x 4096: "
               f"fits {big['fits']}, peak {big['peak_gib']:.2f} GiB (reserved "
