@@ -256,6 +256,10 @@ ALLOWED_PRIVATE_TORCH = {
     "torch._scaled_mm": "the fp8-tensor recipe's GEMM (torch has no public one)",
     "torch.autograd.Variable._execution_engine": "the end-of-backward callback, as torch DDP",
     "torch.utils._pytree": "the tensors of any module output (namedtuples, registered classes)",
+    "torch.testing._internal": "its distributed.fake_pg registers torch's fake process-group "
+    "backend (no public module does, torch 2.9-2.13): the rehearsal (runtime/fake_world.py)",
+    "torch.utils._python_dispatch": "TorchDispatchMode: the rehearsal's probe sees every c10d "
+    "collective and tensor storage on any backend (app/rehearse_probe.py; CommDebugMode is one)",
     "torch._inductor": "the read-back barrier in Inductor's Triton code (no public hook; "
     "triton-lang/triton#10924, lowp/readback_barrier.py)",
 }

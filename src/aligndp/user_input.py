@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligndp.optim.registry import known_optimizers
+from aligndp.runtime.fake_world import gather_objects
 
 __all__ = [
     "check_parallelize_inputs",
@@ -218,9 +219,8 @@ def check_device_ids(device_ids: object, output_device: object, device: torch.de
 def _agree(error: Exception | None, group: dist.ProcessGroup | None) -> None:
     """Raise ``error`` of any rank on every rank (one ``all_gather_object``), as its type."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        errors: list = [None] * dist.get_world_size(group)
         mine = None if error is None else (isinstance(error, TypeError), str(error))
-        dist.all_gather_object(errors, mine, group=group)
+        errors = gather_objects(mine, group)
         bad = [(r, e) for r, e in enumerate(errors) if e is not None]
         if bad:
             cls = TypeError if bad[0][1][0] else ValueError

@@ -1,4 +1,4 @@
-"""`aligndp` / `python -m aligndp`: subcommands `train` and `layout`.
+"""`aligndp` / `python -m aligndp`: subcommands `train`, `layout` and `rehearse`.
 
 A subcommand is one :class:`Subcommand` row in :data:`SUBCOMMANDS`: a module whose
 ``add_arguments(parser)`` declares its flags and imports no torch (so ``aligndp --help``, ``aligndp
@@ -42,6 +42,11 @@ SUBCOMMANDS = {
         "aligndp.app.layout_args",
         "aligndp.app.layout_cli",
         "plan and show the flat buffer layout of a model (the demo's by default)",
+    ),
+    "rehearse": Subcommand(
+        "aligndp.app.rehearse_cli",
+        "aligndp.app.rehearse_cli",
+        "play rank r of an N-rank job on one device: memory, step time, collectives",
     ),
 }
 

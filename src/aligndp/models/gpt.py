@@ -19,8 +19,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.ln2 = nn.LayerNorm(cfg.dim)
-        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, bias=cfg.bias)
-        self.out = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_width, bias=cfg.bias)
+        self.out = nn.Linear(cfg.mlp_width, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape

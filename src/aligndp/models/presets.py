@@ -23,7 +23,9 @@ class GPTConfig:
     head_dim: int = 16
     """Width of one attention head; ``dim`` must be a multiple of it."""
     mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of ``dim``."""
+    """Hidden width of the MLP as a multiple of ``dim`` (unless ``mlp_hidden`` is given)."""
+    mlp_hidden: int | None = None
+    """Hidden width of the MLP in elements (Llama-3-8B: 14336); None: ``mlp_ratio * dim``."""
     tied: bool = False
     """Share the token embedding with the output head."""
     bias: bool = True
@@ -33,10 +35,17 @@ class GPTConfig:
         for field in ("vocab_size", "seq_len", "dim", "num_layers", "head_dim", "mlp_ratio"):
             if getattr(self, field) < 1:
                 raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"GPTConfig.mlp_hidden must be >= 1 or None, got {self.mlp_hidden}")
         if self.dim % self.head_dim:
             raise ValueError(
                 f"GPTConfig.dim={self.dim} must be a multiple of head_dim={self.head_dim}"
             )
+
+    @property
+    def mlp_width(self) -> int:
+        """Hidden width of the MLP."""
+        return self.mlp_hidden if self.mlp_hidden is not None else self.mlp_ratio * self.dim
 
     @property
     def num_heads(self) -> int:
@@ -45,7 +54,7 @@ class GPTConfig:
     @property
     def num_params(self) -> int:
         """Trainable elements of ``GPT(self)`` (a tied head counted once), from the shapes."""
-        d, hidden, bias = self.dim, self.mlp_ratio * self.dim, int(self.bias)
+        d, hidden, bias = self.dim, self.mlp_width, int(self.bias)
         block = (
             2 * 2 * d  # two LayerNorms
             + d * 3 * d
@@ -75,6 +84,11 @@ PRESETS: dict[str, GPTConfig] = {
     ),
     # ~0.94 B params: the GPU benchmark model (same shapes as shared/anchors/peer_bench.py).
     "1b": GPTConfig(vocab_size=32768, seq_len=1024, dim=2048, num_layers=16, head_dim=128),
+    # Llama-3-8B's shape (width 4096, 32 blocks, MLP 14336, vocabulary 128,256) in this GPT
+    # block: 6.97 B params (Llama's 8.03 B has SwiGLU's third MLP matrix and 8 KV heads).
+    "8b": GPTConfig(
+        vocab_size=128256, seq_len=4096, dim=4096, num_layers=32, head_dim=128, mlp_hidden=14336
+    ),
 }
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligndp.plan.split import MatrixSplit, wide
+from aligndp.runtime.fake_world import gather_objects
 
 __all__ = [
     "NS_DTYPE",
@@ -67,8 +68,8 @@ def split_groups(needed: Sequence[Sequence[int]]) -> dict[tuple[int, ...], dist.
     group, identically on every rank, so a second wrap of the same plan makes none.
     """
     world = dist.group.WORLD
-    everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [tuple(sorted(r)) for r in needed])
+    # a rehearsal makes only its own rank's groups ([Note: rehearsal on the fake process group])
+    everyone = gather_objects([tuple(sorted(r)) for r in needed])
     order = list(dict.fromkeys(ranks for mine in everyone for ranks in mine or ()))
     me = dist.get_rank()
     out: dict[tuple[int, ...], dist.ProcessGroup] = {}

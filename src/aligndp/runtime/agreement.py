@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from aligndp.runtime.fake_world import gather_objects, side_backend
+
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "TIMEOUT_ENV",
@@ -140,12 +142,10 @@ def check_ranks_agree(
     if world_size == 1:
         return
     summary = _summary(named_params, layouts)
-    digests: list[str] = [None] * world_size  # type: ignore[list-item]
-    dist.all_gather_object(digests, _digest(summary), group=group)
+    digests: list[str] = gather_objects(_digest(summary), group)
     if len(set(digests)) == 1:
         return
-    summaries: list[dict] = [None] * world_size  # type: ignore[list-item]
-    dist.all_gather_object(summaries, summary, group=group)
+    summaries: list[dict] = gather_objects(summary, group)
     ref = summaries[0]
     for rank in range(1, world_size):
         if digests[rank] == digests[0]:
@@ -221,7 +221,7 @@ def prepare_side_group(
             )
         side = dist.new_group(
             list(ranks),
-            backend="gloo",
+            backend=side_backend(),
             timeout=collective_timeout(timeout),
             use_local_synchronization=subgroup,
         )
