@@ -130,19 +130,23 @@ def _short(where: str) -> str:
     return f"{pathlib.Path(filename).resolve().relative_to(SRC)}:{name}"
 
 
-def parallelize_lines() -> int:
-    """Lines of code of ``aligndp.parallelize.parallelize`` (no docstring, comments, blanks)."""
-    module = importlib.import_module(
-        "aligndp.parallelize"
-    )  # the package's attribute is the function
-    source = textwrap.dedent(inspect.getsource(module.parallelize))
-    func = ast.parse(source).body[0]
-    body = func.body
+def count_code_lines(source: str) -> int:
+    """Lines of code in the body of the one function defined in ``source``: no docstring,
+    comments or blank lines."""
+    source = textwrap.dedent(source)
+    body = ast.parse(source).body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     lines = source.splitlines()
     code = [lines[i - 1] for node in body for i in range(node.lineno, node.end_lineno + 1)]
     return sum(1 for line in code if line.strip() and not line.strip().startswith("#"))
+
+
+def parallelize_lines() -> int:
+    """Lines of code of ``aligndp.parallelize.parallelize``."""
+    # the module, not the function the package exports under the same name
+    module = importlib.import_module("aligndp.parallelize")
+    return count_code_lines(inspect.getsource(module.parallelize))
 
 
 def trace_step(world_size: int = 2) -> dict:

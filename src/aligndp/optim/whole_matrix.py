@@ -233,7 +233,7 @@ class WholeMatrixPart(OptimizerPart):
         """Indices (into ``names``/``params``) of the params this rank steps."""
         return [i for i, o in enumerate(self.owners) if o == self.model.rank]
 
-    def on_reduced(self, grads: ReducedGrads) -> None:
+    def show_grads(self, grads: ReducedGrads) -> None:
         for i in self.owned:
             if self.targets[i] is not self.params[i]:  # a 16-bit param's fp32 master
                 self.targets[i].grad = (

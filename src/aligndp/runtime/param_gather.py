@@ -37,9 +37,10 @@ class ParamGather:
     """The order and overlap of the per-bucket param all-gathers; each gather's work and
     pending params are its :class:`~aligndp.runtime.bucket_group.BucketGroup`'s.
 
-    The model owns one (``DataParallel.param_gather``, built with it over its groups); the
-    optimizer calls into it: :meth:`set_overlap` once, then :meth:`launch_stepped` /
-    :meth:`launch_rest` after each step and :meth:`wait_all` before writing the shards again.
+    The model owns one (``DataParallel.param_gather``, built with it over its groups, with
+    the forward pre-hooks of ``overlap`` installed then); the optimizer calls into it:
+    :meth:`launch_stepped` / :meth:`launch_rest` after each step and :meth:`wait_all` before
+    writing the shards again.
     Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef`, as on the gradient
     side; groups of buffers without ``param_data`` (replicated) hold no params to gather.
     """
@@ -50,16 +51,19 @@ class ParamGather:
         *,
         module: nn.Module,
         collectives: Collectives,
+        overlap: bool = False,
     ) -> None:
         """``groups`` (launch order) and ``collectives``: the model's; ``module``: the wrapped
-        module (its forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
+        module; ``overlap`` (``overlap_param_gather``): leave the gathers in flight after the
+        step, each module's forward pre-hook (installed here) waiting for its own buckets;
+        False waits for them at the end of the step."""
         self.module = module
         self.coded: CodedGather | None = next((g.coded for g in groups if g.coded), None)
         """The groups' low-precision gathers, if any ([Note: FP8 param gather]): the optimizer
         parts register their masters with it."""
         self.collectives = collectives
         self.dp_size = collectives.dp_size
-        self.overlap = False
+        self.overlap = overlap
         self._groups: dict[BucketRef, BucketGroup] = {g.ref: g for g in groups if g.gathers}
         """The groups whose buckets hold params, by bucket."""
         self._launched: set[BucketRef] = set()
@@ -76,16 +80,8 @@ class ParamGather:
         removes them: [Note: dropped wrappers] in wrapped_param.py)."""
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
-
-    def set_overlap(self, overlap: bool) -> None:
-        """``overlap_param_gather``, the optimizer's choice: True leaves the gathers in flight
-        after the step, each module's forward pre-hook waiting for its own buckets; False
-        waits for them at the end of the step."""
-        self.wait_all()
-        self.remove_hooks()
-        self.overlap = overlap
         if overlap and self.dp_size > 1:
-            self._install_hooks(self.module)
+            self._install_hooks(module)
 
     def _forward_order(self, module: nn.Module) -> list[BucketRef]:
         """Buckets sorted by the earliest-registered param they hold.
