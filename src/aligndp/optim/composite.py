@@ -18,6 +18,7 @@ forwards to the part that holds each param.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
+from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.step_state import BucketRef, ReducedGrads, StepState
 from aligndp.runtime.wrapped_param import as_parameters, steps_in_place
 from aligndp.state.model_space import (
@@ -87,6 +89,11 @@ class OptimizerPart(abc.ABC):
         """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
         bucket calls ``bucket_stepped(ref)`` after each of its buckets, so that
         bucket's all-gather overlaps the next one's step; the composite gathers the rest."""
+
+    def gather_sources(self) -> Sources:
+        """id(param) -> the master a coded param gather encodes for this rank's piece of it
+        ([Note: FP8 param gather]); none by default."""
+        return {}
 
     @abc.abstractmethod
     def owned_range(self, name: str) -> tuple[int, int]:
@@ -210,8 +217,14 @@ class CompositeOptimizer(DataParallelOptimizer):
         self._shown_epoch = -1
         """The reduction whose gradients the parts' tensors show ([Note: grads shown on read])."""
         if self.gather.coded is not None:  # [Note: FP8 param gather]: from the first forward
-            self.gather.launch_rest()  # on, layers read gathered weights
+            self.gather.launch_rest(self._sources())  # on, layers read gathered weights
             self.gather.wait_all()
+
+    def _sources(self) -> Sources:
+        """The parts' masters a coded param gather encodes (none without one)."""
+        if self.gather.coded is None:
+            return {}
+        return {k: v for part in self.parts for k, v in part.gather_sources().items()}
 
     def _show_grads(self) -> None:
         """[Note: grads shown on read]
@@ -278,10 +291,11 @@ class CompositeOptimizer(DataParallelOptimizer):
             self._clip(self.max_grad_norm, grads)
         else:
             self._prepare(grads)
+        sources = self._sources()
         for part in self.parts:
-            part.step_owned(self.gather.launch_stepped)
+            part.step_owned(functools.partial(self.gather.launch_stepped, sources=sources))
         self.model.data_touched.clear()
-        self.gather.launch_rest()
+        self.gather.launch_rest(sources)
         return None
 
     # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
@@ -316,7 +330,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         for part, count in zip(self.parts, counts):
             part.load_model_space_state_dict(sd | {"param_groups": groups[:count]})
             groups = groups[count:]
-        self.gather.launch_rest()
+        self.gather.launch_rest(self._sources())
         self.gather.wait_all()
 
     # ---- reporting ----

@@ -41,6 +41,7 @@ from aligndp.plan.slots import OwnedPiece
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
+from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
@@ -210,9 +211,10 @@ class ShardedPart(OptimizerPart):
                     coded=coded,
                 )
             )
-            if coded:
-                self.model.param_gather.coded.set_source(params[s.index], master)
         return masters
+
+    def gather_sources(self) -> Sources:
+        return {id(p.param): p.master for p in self.masters if p.coded}
 
     # ---- the part interface (aligndp/optim/composite.py) ----
     def show_grads(self, grads: ReducedGrads) -> None:

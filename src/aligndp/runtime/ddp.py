@@ -221,6 +221,7 @@ class DataParallel(nn.Module):
         wrapped_param.WrappedParameter)."""
         self.param_gather = ParamGather(
             self.groups,
+            index=self.index,
             module=module,
             collectives=self._collectives,
             overlap=config.overlap_param_gather,
