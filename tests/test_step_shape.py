@@ -44,11 +44,17 @@ def test_parallelize_lines_counts_code_only():
 
 def test_one_step_enters_few_files_and_the_model_never_calls_the_optimizer():
     """Control passes from the optimizer into the model only: no call edge starts in
-    ``runtime/`` and ends in ``optim/`` (the reducer's listener was one), and the step
-    enters no more files and crossings than today."""
+    ``runtime/`` and ends in ``optim/`` (the reducer's listener was one), no call goes into a
+    layer its caller may not import (tests/test_structure.py's layers), neither in the step
+    nor while ``parallelize()`` builds, and the step enters no more files and crossings than
+    today."""
     result = _tool().trace_step(2)
     upward = [c for c in result["crossing_list"] if c.startswith("runtime/")]
     assert not upward, f"the model calls into the optimizer: {upward}"
+    assert not result["climbs"], f"calls back up a layer in the step: {result['climb_list']}"
+    build = result["build"]
+    assert not build["climbs"], f"calls back up a layer in parallelize(): {build['climb_list']}"
+    assert build["functions"] > 50, "the trace saw parallelize() build"
     assert result["files"] <= MAX_FILES, result["file_list"]
     assert result["crossings"] <= MAX_CROSSINGS, result["crossing_list"]
     assert result["functions"] > 20, "the trace saw the step (a tracer that saw nothing passes)"

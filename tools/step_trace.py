@@ -13,7 +13,14 @@ with :func:`sys.setprofile` and counts, over aligndp's own code only:
 - ``crossings``: distinct call edges (caller function -> callee function) whose two ends lie
   one in ``optim/`` and one in ``runtime/``, either way — how often control passes between the
   optimizer and the model;
+- ``climbs``: distinct call edges into a layer the caller may not import (DESIGN.md
+  "Modules"): a callback or listener calling back up;
+- ``build``: the same counts for the ``parallelize()`` call that built the model;
 - ``parallelize_lines``: lines of code of ``parallelize()`` (no docstring, comments, blanks).
+
+On 2026-12-03, before issue 40's rebuild (main at 288163f): step 14 files, 63 functions,
+8 crossings, 1 climb (the reducer's listener into the optimizer); parallelize() 91 lines,
+building 29 files, 222 functions, 0 climbs.
 
 :func:`trace_step` is what tests/test_structure.py pins (the figures cannot regress).
 """
@@ -64,62 +71,95 @@ def _step(model, opt, x) -> None:
     opt.zero_grad()
 
 
+# which layers each layer may import (tests/test_structure.py's ALLOWED, DESIGN.md "Modules"):
+# a call into a layer the caller may not import is a call back up (a callback, a listener)
+LAYERS_BELOW: dict[str, set[str]] = {
+    "plan": set(),
+    "lowp": {"plan"},
+    "runtime": {"plan"},
+    "state": {"plan", "runtime"},
+    "optim": {"plan", "runtime", "state"},
+    "api": {"plan", "lowp", "runtime", "state", "optim"},
+}
+
+
+class _Recorder:
+    """A :func:`sys.setprofile` function counting aligndp's files, functions and call edges."""
+
+    def __init__(self) -> None:
+        self.files: set[str] = set()
+        self.functions: set[tuple[str, int, str]] = set()
+        self.crossings: set[tuple[str, str]] = set()
+        self.climbs: set[tuple[str, str]] = set()
+
+    def __call__(self, frame, event, _arg) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        pkg = _package(code.co_filename)
+        if pkg is None:
+            return
+        self.files.add(code.co_filename)
+        self.functions.add((code.co_filename, code.co_firstlineno, code.co_qualname))
+        caller = frame.f_back  # the nearest aligndp frame below (torch's frames skipped)
+        while caller is not None and _package(caller.f_code.co_filename) is None:
+            caller = caller.f_back
+        if caller is None:
+            return
+        src = caller.f_code
+        edge = (f"{src.co_filename}:{src.co_qualname}", f"{code.co_filename}:{code.co_qualname}")
+        here = _package(src.co_filename)
+        if {here, pkg} == {"optim", "runtime"}:
+            self.crossings.add(edge)
+        if pkg != here and here in LAYERS_BELOW and pkg not in LAYERS_BELOW[here]:
+            self.climbs.add(edge)
+
+    def run(self, fn):
+        sys.setprofile(self)
+        try:
+            return fn()
+        finally:
+            sys.setprofile(None)
+
+    def counts(self) -> dict:
+        return {
+            "files": len(self.files),
+            "functions": len(self.functions),
+            "crossings": len(self.crossings),
+            "climbs": len(self.climbs),
+            "file_list": sorted(
+                str(pathlib.Path(f).resolve().relative_to(SRC)) for f in self.files
+            ),
+            "crossing_list": sorted(f"{_short(a)} -> {_short(b)}" for a, b in self.crossings),
+            "climb_list": sorted(f"{_short(a)} -> {_short(b)}" for a, b in self.climbs),
+        }
+
+
 def _trace_rank(rank: int, world_size: int, init: str, out: str) -> None:
     import aligndp
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
-        model, opt = aligndp.parallelize(
-            _net(), sharding="zero1", overlap_param_gather=True, lr=1e-2, bucket_numel=600
+        build = _Recorder()
+        model, opt = build.run(
+            lambda: aligndp.parallelize(
+                _net(), sharding="zero1", overlap_param_gather=True, lr=1e-2, bucket_numel=600
+            )
         )
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
         for _ in range(2):
             _step(model, opt, x)
         loss = model(x).square().mean()
-        edges: set[tuple[str, str]] = set()
-        functions: set[tuple[str, int, str]] = set()
-        files: set[str] = set()
-        crossings: set[tuple[str, str]] = set()
+        step = _Recorder()
 
-        def profile(frame, event, _arg):
-            if event != "call":
-                return
-            code = frame.f_code
-            pkg = _package(code.co_filename)
-            if pkg is None:
-                return
-            files.add(code.co_filename)
-            functions.add((code.co_filename, code.co_firstlineno, code.co_qualname))
-            caller = frame.f_back
-            while caller is not None and _package(caller.f_code.co_filename) is None:
-                caller = caller.f_back
-            if caller is None:
-                return
-            src = caller.f_code
-            edge = (
-                f"{src.co_filename}:{src.co_qualname}",
-                f"{code.co_filename}:{code.co_qualname}",
-            )
-            edges.add(edge)
-            if {_package(src.co_filename), pkg} == {"optim", "runtime"}:
-                crossings.add(edge)
-
-        sys.setprofile(profile)
-        try:
+        def one_step() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        finally:
-            sys.setprofile(None)
+
+        step.run(one_step)
         if rank == 0:
-            rel = sorted(str(pathlib.Path(f).resolve().relative_to(SRC)) for f in files)
-            result = {
-                "files": len(files),
-                "functions": len(functions),
-                "crossings": len(crossings),
-                "file_list": rel,
-                "crossing_list": sorted(f"{_short(a)} -> {_short(b)}" for a, b in crossings),
-            }
+            result = step.counts() | {"build": build.counts()}
             pathlib.Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -183,7 +223,14 @@ def main() -> None:
     for c in result["crossing_list"]:
         print(f"  {c}")
     print(f"functions entered:    {result['functions']}")
-    print(f"parallelize() lines:  {result['parallelize_lines']}")
+    print(f"calls back up a layer: {result['climbs']}")
+    for c in result["climb_list"]:
+        print(f"  {c}")
+    build = result["build"]
+    print(f"parallelize(): {result['parallelize_lines']} lines of code; building enters")
+    print(f"  {build['files']} files, {build['functions']} functions; calls back up a layer:")
+    for c in build["climb_list"]:
+        print(f"  {c}")
 
 
 if __name__ == "__main__":
