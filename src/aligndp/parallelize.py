@@ -1,4 +1,7 @@
-"""``parallelize()``: the one door. Routes params, derives requirements, builds DDP + optimizer.
+"""``parallelize()``: the one door. A short pipeline of named build steps (aligndp/build.py):
+
+    inputs -> plan -> buffers, buckets and the wrapper (DataParallel) -> optimizer parts
+    -> the optimizer
 
 [Note: one plan request] (aligndp/plan/request.py): :func:`plan_request` is the one place a
 model and parallelize's arguments become a :class:`~aligndp.plan.request.PlanRequest`;
@@ -11,32 +14,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm, check_options
-from aligndp.optim.composite import CompositeOptimizer, OptimizerPart, ReplicatedPart
-from aligndp.optim.groups import ParamGroup, ParamGroupsArg, resolve_param_groups
+from aligndp.build import build_optimizer, gather_codec, optimizer_parts, read_inputs
+from aligndp.optim.base import DataParallelOptimizer
+from aligndp.optim.groups import ParamGroupsArg
 from aligndp.optim.registry import resolve_optimizer
-from aligndp.optim.sharded import ShardedOptimizer, ShardedPart, check_elementwise
-from aligndp.optim.whole_matrix import WholeMatrixPart, WholeMatrixSpec, split_kwargs, torch_groups
+from aligndp.optim.whole_matrix import WholeMatrixSpec
 from aligndp.plan.fused import fused_wgrad_modules
 from aligndp.plan.request import SHARDINGS, PlanRequest, modes_for_sharding
 from aligndp.plan.routing import MuonFilter, Routing, route_params
 from aligndp.plan.spec import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_START_ALIGNMENT,
-    Mode,
     ParamSpec,
     Requirement,
     numel_cost,
 )
 from aligndp.plan.split import SplitPolicy
-from aligndp.runtime.ddp import DataParallel, DDPConfig
-from aligndp.runtime.mesh import data_parallel_groups
-from aligndp.user_input import (
-    check_fp8_param_gather,
-    check_master_weights,
-    check_parallelize_inputs,
-    take_torch_ddp_kwargs,
-)
+from aligndp.runtime.ddp import DataParallel
 
 __all__ = ["parallelize", "plan_request", "SHARDINGS"]
 
@@ -63,25 +57,6 @@ def _fp8_gather_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
             "every layer it can run, `aligndp train --wgrad-layers all`) or drop fp8_param_gather"
         )
     return dict.fromkeys(names, Fp8TensorGatherCodec.dtype)
-
-
-def _shard_size(process_group: dist.ProcessGroup | None, mesh: object | None) -> int:
-    """The plan's dp_size: the ranks that shard among themselves (a mesh's shard dim)."""
-    if not dist.is_initialized():
-        return 1
-    return dist.get_world_size(data_parallel_groups(process_group, mesh).shard)
-
-
-def _use_fused_kernels(model: nn.Module, opt_class: type, optimizer_kwargs: dict) -> bool:
-    """On CUDA, torch's fused kernel for AdamW/Adam/SGD unless the caller picked an
-    implementation (``fused``/``foreach``): same maths as torch's default foreach path, one
-    launch per tensor list instead of several, and what torch DDP users run. The one decision
-    for the elementwise optimizer alone and for the AdamW next to a whole-matrix one."""
-    if "fused" in optimizer_kwargs or "foreach" in optimizer_kwargs:
-        return False
-    if opt_class not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
-        return False
-    return any(p.is_cuda for p in model.parameters())
 
 
 def plan_request(
@@ -240,154 +215,37 @@ def parallelize(
     ``model.register_comm_hook(state, hook)`` takes torch's fp16/bf16 compression hooks
     (aligndp/runtime/comm_hooks.py).
     """
-    check_parallelize_inputs(model, optimizer)
-    check_master_weights(master_weights, sharding)
-    check_fp8_param_gather(
-        fp8_param_gather, wgrad=wgrad, sharding=sharding, master_weights=master_weights
-    )
-    check_max_grad_norm(max_grad_norm)
-    torch_ddp = take_torch_ddp_kwargs(
-        model,
-        optimizer_kwargs,
-        bucket_numel=bucket_numel,
-        default_bucket_numel=DEFAULT_BUCKET_NUMEL,
-        grad_dtype=grad_dtype,
-        process_group=process_group,
-        broadcast_buffers=broadcast_buffers,
-    )
-    bucket_numel, process_group = torch_ddp.bucket_numel, torch_ddp.process_group
-    found = resolve_optimizer(optimizer)
-    spec = found if isinstance(found, WholeMatrixSpec) else None
-    muon_filter = optimizer_kwargs.pop("muon_filter", None) if spec is not None else None
-    split = optimizer_kwargs.pop("split", None) if spec is not None else None
-    if lr is not None:
-        optimizer_kwargs["lr"] = lr
-    # before wrapping, what torch refuses is raised as torch raises it (a misspelt keyword)
-    if spec is None:
-        if sharding == "zero1":
-            check_elementwise(found, optimizer_kwargs)
-        else:
-            check_options(found, optimizer_kwargs)
-        if _use_fused_kernels(model, found, optimizer_kwargs):
-            optimizer_kwargs["fused"] = True
-    else:
-        whole_kwargs, adamw_kwargs = split_kwargs(spec, str(optimizer), optimizer_kwargs)
-        check_options(spec.optimizer_class, whole_kwargs)
-        check_options(torch.optim.AdamW, adamw_kwargs)
-        if _use_fused_kernels(model, torch.optim.AdamW, adamw_kwargs):
-            adamw_kwargs["fused"] = True
-    request, routing = plan_request(
+    inputs = read_inputs(
         model,
         optimizer=optimizer,
         sharding=sharding,
-        dp_size=_shard_size(process_group, mesh),
+        lr=lr,
+        process_group=process_group,
+        mesh=mesh,
         bucket_numel=bucket_numel,
         wgrad=wgrad,
         grad_dtype=grad_dtype,
-        start_alignment=start_alignment,
-        muon_filter=muon_filter,
-        fp8_param_gather=fp8_param_gather,
-        split=split,
-    )
-    config = DDPConfig(
+        max_grad_norm=max_grad_norm,
         overlap=overlap,
-        bucket_numel=bucket_numel,
-        grad_dtype=grad_dtype,
         start_alignment=start_alignment,
         check_finite=check_finite,
         on_nonfinite=on_nonfinite,
-        broadcast_at_wrap=torch_ddp.broadcast_at_wrap,
-        broadcast_buffers=torch_ddp.broadcast_buffers,
+        broadcast_buffers=broadcast_buffers,
+        overlap_param_gather=overlap_param_gather,
+        param_groups=param_groups,
         collectives=collectives,
+        master_weights=master_weights,
+        fp8_param_gather=fp8_param_gather,
+        optimizer_kwargs=optimizer_kwargs,
     )
-    groups = resolve_param_groups(model, param_groups)
-    codec = None
-    if fp8_param_gather:
-        from aligndp.lowp.fp8_gather import Fp8TensorGatherCodec
-
-        codec = Fp8TensorGatherCodec(model)
-    ddp = DataParallel(
+    request, routing = plan_request(model, **inputs.plan)
+    ddp = DataParallel(  # buffers from the plan, one group per bucket, the wrapper
         model,
-        process_group=process_group,
+        process_group=inputs.process_group,
         mesh=mesh,
-        config=config,
+        config=inputs.config,
         plan=request,
-        gather_codec=codec,
+        gather_codec=gather_codec(model, fp8_param_gather),
     )
-    gather = {"max_grad_norm": max_grad_norm, "overlap_param_gather": overlap_param_gather}
-    masters = master_weights is not False  # None: zero1's default, fp32 masters
-    if spec is None and sharding == "zero1":
-        return ddp, ShardedOptimizer(
-            ddp, found, groups=groups, master_weights=masters, **gather, **optimizer_kwargs
-        )
-    if spec is None:
-        named = dict(model.named_parameters())
-        inner = found(
-            [{"params": [named[n] for n in g.names], **g.options} for g in groups],
-            **optimizer_kwargs,
-        )
-        parts = [ReplicatedPart(ddp, inner, elementwise_state=True)]
-    else:
-        zero1 = sharding == "zero1"
-        parts = _whole_matrix_parts(
-            ddp, spec, routing, groups, zero1, whole_kwargs, adamw_kwargs, master_weights=masters
-        )
-    return ddp, CompositeOptimizer(ddp, parts, routing=routing, **gather)
-
-
-def _whole_matrix_parts(
-    ddp: DataParallel,
-    spec: WholeMatrixSpec,
-    routing: Routing,
-    groups: list[ParamGroup],
-    zero1: bool,
-    whole_kwargs: dict,
-    adamw_kwargs: dict,
-    *,
-    master_weights: bool,
-) -> list[OptimizerPart]:
-    """The whole-matrix part and the AdamW part; each of ``groups`` is cut into its
-    whole-matrix and its AdamW params, with the same options. ``master_weights`` goes to the
-    zero1 parts (the replicated ones step params in their dtype)."""
-    named = dict(ddp.module.named_parameters())
-
-    def cut(names: tuple[str, ...]) -> list[ParamGroup]:
-        cut_groups = [
-            ParamGroup(tuple(n for n in g.names if n in names), g.options) for g in groups
-        ]
-        return [g for g in cut_groups if g.names]
-
-    parts: list[OptimizerPart] = []
-    if routing.whole and zero1:
-        whole = [(n, named[n]) for n in routing.whole]
-        parts.append(
-            WholeMatrixPart(
-                ddp,
-                whole,
-                spec,
-                groups=cut(routing.whole),
-                options=whole_kwargs,
-                master_weights=master_weights,
-            )
-        )
-    elif routing.whole:
-        tensors = {n: named[n] for n in routing.whole}
-        inner = spec.optimizer_class(torch_groups(cut(routing.whole), tensors), **whole_kwargs)
-        parts.append(ReplicatedPart(ddp, inner, elementwise_state=False))
-    if routing.adamw and zero1:
-        sharded = ddp.buffers_for(Mode.SHARDED)
-        parts.append(
-            ShardedPart(
-                ddp,
-                sharded,
-                torch.optim.AdamW,
-                groups=cut(routing.adamw),
-                master_weights=master_weights,
-                **adamw_kwargs,
-            )
-        )
-    elif routing.adamw:
-        tensors = {n: named[n] for n in routing.adamw}
-        inner = torch.optim.AdamW(torch_groups(cut(routing.adamw), tensors), **adamw_kwargs)
-        parts.append(ReplicatedPart(ddp, inner, elementwise_state=True))
-    return parts
+    parts = optimizer_parts(ddp, inputs, routing)
+    return ddp, build_optimizer(ddp, parts, inputs, routing)

@@ -150,7 +150,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
+        if not self._constructing:
+            self._show_grads()
         return [g for opt in self.inner for g in opt.param_groups]
+
+    def _show_grads(self) -> None:
+        """Give what the inner optimizers step the ``.grad`` torch code reading
+        :attr:`param_groups` may see (a subclass's choice; nothing here)."""
 
     @param_groups.setter
     def param_groups(self, value) -> None:

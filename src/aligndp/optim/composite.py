@@ -18,6 +18,7 @@ forwards to the part that holds each param.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,7 +28,8 @@ from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.step_state import BucketRef, ReducedGrads
+from aligndp.runtime.gather_codec import Sources
+from aligndp.runtime.step_state import BucketRef, ReducedGrads, StepState
 from aligndp.runtime.wrapped_param import as_parameters, steps_in_place
 from aligndp.state.model_space import (
     FlatPiece,
@@ -77,7 +79,7 @@ class OptimizerPart(abc.ABC):
         (``torch.nn.utils.clip_grads_with_norm_``)."""
 
     @abc.abstractmethod
-    def on_reduced(self, grads: ReducedGrads) -> None:
+    def show_grads(self, grads: ReducedGrads) -> None:
         """After a reduction: give what the inner optimizer steps the ``.grad`` users may see
         (a :class:`~aligndp.runtime.grads.ShardedGrad` where it has no full value, so a torch
         ``GradScaler`` refuses clearly)."""
@@ -87,6 +89,11 @@ class OptimizerPart(abc.ABC):
         """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
         bucket calls ``bucket_stepped(ref)`` after each of its buckets, so that
         bucket's all-gather overlaps the next one's step; the composite gathers the rest."""
+
+    def gather_sources(self) -> Sources:
+        """id(param) -> the master a coded param gather encodes for this rank's piece of it
+        ([Note: FP8 param gather]); none by default."""
+        return {}
 
     @abc.abstractmethod
     def owned_range(self, name: str) -> tuple[int, int]:
@@ -129,7 +136,7 @@ class ReplicatedPart(OptimizerPart):
     def prepare_grads(self, grads: ReducedGrads) -> None:
         pass  # steps from param.grad: the reduced view, as published, maybe edited by the user
 
-    def on_reduced(self, grads: ReducedGrads) -> None:
+    def show_grads(self, grads: ReducedGrads) -> None:
         pass  # the params themselves: the DataParallel published their grads
 
     def _grads(self) -> list[torch.Tensor]:
@@ -185,7 +192,6 @@ class CompositeOptimizer(DataParallelOptimizer):
         parts: Sequence[OptimizerPart],
         *,
         max_grad_norm: float | None = None,
-        overlap_param_gather: bool = False,
         routing: Routing | None = None,
     ) -> None:
         check_max_grad_norm(max_grad_norm)
@@ -208,19 +214,38 @@ class CompositeOptimizer(DataParallelOptimizer):
         """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
         self.gather = model.param_gather
         """The model's param gather, which this optimizer calls into after each step."""
-        self.gather.set_overlap(overlap_param_gather)
+        self._shown_epoch = -1
+        """The reduction whose gradients the parts' tensors show ([Note: grads shown on read])."""
         if self.gather.coded is not None:  # [Note: FP8 param gather]: from the first forward
-            self.gather.launch_rest()  # on, layers read gathered weights
+            self.gather.launch_rest(self._sources())  # on, layers read gathered weights
             self.gather.wait_all()
-        model.reducer.reduction_listeners.append(self._on_reduced)
 
-    def _on_reduced(self, grads: ReducedGrads) -> None:
-        for part in self.parts:
-            part.on_reduced(grads)
+    def _sources(self) -> Sources:
+        """The parts' masters a coded param gather encodes (none without one)."""
+        if self.gather.coded is None:
+            return {}
+        return {k: v for part in self.parts for k, v in part.gather_sources().items()}
+
+    def _show_grads(self) -> None:
+        """[Note: grads shown on read]
+        After a reduction, torch code that walks ``opt.param_groups`` (a ``GradScaler``'s
+        ``unscale_``) must find on each tensor a part steps the ``.grad`` users may see: a
+        :class:`~aligndp.runtime.grads.ShardedGrad` on a sharded part's fp32 masters, which
+        refuses clearly. The optimizer pulls it here, when its groups are read after a new
+        reduction; the model never calls the optimizer. ``step()`` binds the real gradients
+        for the same reduction, after which nothing is shown over them."""
+        if self.model.state is not StepState.REDUCED:
+            return
+        grads = self.model.finish_grad_sync()  # REDUCED: the last reduction's view, nothing run
+        if grads.epoch != self._shown_epoch:
+            self._shown_epoch = grads.epoch
+            for part in self.parts:
+                part.show_grads(grads)
 
     def _prepare(self, grads: ReducedGrads) -> None:
         """Bind every part's gradients from ``grads`` (idempotent for one view)."""
         self.gather.wait_all()  # the previous gather reads the shards we are about to write
+        self._shown_epoch = grads.epoch
         for part in self.parts:
             part.prepare_grads(grads)
 
@@ -266,10 +291,11 @@ class CompositeOptimizer(DataParallelOptimizer):
             self._clip(self.max_grad_norm, grads)
         else:
             self._prepare(grads)
+        sources = self._sources()
         for part in self.parts:
-            part.step_owned(self.gather.launch_stepped)
+            part.step_owned(functools.partial(self.gather.launch_stepped, sources=sources))
         self.model.data_touched.clear()
-        self.gather.launch_rest()
+        self.gather.launch_rest(sources)
         return None
 
     # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
@@ -304,7 +330,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         for part, count in zip(self.parts, counts):
             part.load_model_space_state_dict(sd | {"param_groups": groups[:count]})
             groups = groups[count:]
-        self.gather.launch_rest()
+        self.gather.launch_rest(self._sources())
         self.gather.wait_all()
 
     # ---- reporting ----

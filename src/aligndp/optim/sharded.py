@@ -41,6 +41,7 @@ from aligndp.plan.slots import OwnedPiece
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
+from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
@@ -210,12 +211,13 @@ class ShardedPart(OptimizerPart):
                     coded=coded,
                 )
             )
-            if coded:
-                self.model.param_gather.coded.set_source(params[s.index], master)
         return masters
 
+    def gather_sources(self) -> Sources:
+        return {id(p.param): p.master for p in self.masters if p.coded}
+
     # ---- the part interface (aligndp/optim/composite.py) ----
-    def on_reduced(self, grads: ReducedGrads) -> None:
+    def show_grads(self, grads: ReducedGrads) -> None:
         for p in self.masters:
             p.master.grad = p.sharded_grad if grads.has_grad(p.param) else None
 
@@ -329,30 +331,12 @@ class ShardedPart(OptimizerPart):
 
 class ShardedOptimizer(CompositeOptimizer):
     """ZeRO-1: a :class:`CompositeOptimizer` of one :class:`ShardedPart` over every sharded
-    buffer (``master_weights``: as :class:`ShardedPart`)."""
+    buffer (``parallelize(sharding="zero1")`` with an elementwise optimizer builds it)."""
 
     def __init__(
-        self,
-        model: DataParallel,
-        opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-        *,
-        groups: Sequence[ParamGroup] | None = None,
-        max_grad_norm: float | None = None,
-        overlap_param_gather: bool = False,
-        master_weights: bool = True,
-        **optimizer_kwargs,
+        self, model: DataParallel, part: ShardedPart, *, max_grad_norm: float | None = None
     ) -> None:
-        part = ShardedPart(
-            model,
-            model.buffers_for(Mode.SHARDED),
-            opt_class,
-            groups=groups,
-            master_weights=master_weights,
-            **optimizer_kwargs,
-        )
-        super().__init__(
-            model, [part], max_grad_norm=max_grad_norm, overlap_param_gather=overlap_param_gather
-        )
+        super().__init__(model, [part], max_grad_norm=max_grad_norm)
 
     @property
     def masters(self) -> list[_Master]:

@@ -41,6 +41,7 @@ from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel
+from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
@@ -180,9 +181,6 @@ class WholeMatrixPart(OptimizerPart):
             else p
             for p, o in zip(self.params, self.owners)
         ]
-        for p, t in zip(self.params, self.targets):
-            if id(p) in self.coded and t is not p:
-                coded.set_source(p, t.view(-1))
         groups = groups or [ParamGroup(tuple(self.names), {})]
         tensors = dict(zip(self.names, self.targets))
         self.inner = [spec.optimizer_class(torch_groups(groups, tensors), **(options or {}))]
@@ -233,7 +231,14 @@ class WholeMatrixPart(OptimizerPart):
         """Indices (into ``names``/``params``) of the params this rank steps."""
         return [i for i, o in enumerate(self.owners) if o == self.model.rank]
 
-    def on_reduced(self, grads: ReducedGrads) -> None:
+    def gather_sources(self) -> Sources:
+        return {
+            id(p): t.view(-1)
+            for p, t in zip(self.params, self.targets)
+            if id(p) in self.coded and t is not p
+        }
+
+    def show_grads(self, grads: ReducedGrads) -> None:
         for i in self.owned:
             if self.targets[i] is not self.params[i]:  # a 16-bit param's fp32 master
                 self.targets[i].grad = (

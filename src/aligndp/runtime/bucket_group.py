@@ -31,7 +31,7 @@ import torch.nn as nn
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, Work
-from aligndp.runtime.gather_codec import CodedGather, GatherCodec, coded_gather
+from aligndp.runtime.gather_codec import CodedGather, GatherCodec, Sources, coded_gather
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex
 from aligndp.runtime.wrapped_param import PendingWaiter, mark_pending, settle
 
@@ -103,13 +103,14 @@ class BucketGroup:
         self.reducing = False
 
     # ---- params ----
-    def launch_gather(self, waiter: PendingWaiter | None) -> None:
+    def launch_gather(self, waiter: PendingWaiter | None, sources: Sources) -> None:
         """Start the bucket's param all-gather; with ``waiter`` (overlapped with the next
-        forward) its params are pending until :meth:`wait_gather`."""
+        forward) its params are pending until :meth:`wait_gather`. ``sources``: what a coded
+        gather encodes ([Note: FP8 param gather])."""
         if not self.gathers:
             return
         if self.coded is not None:  # [Note: FP8 param gather]: encode, then gather
-            self._gather_work = self.coded.launch(self.ref)
+            self._gather_work = self.coded.launch(self.ref, sources)
         elif self.collectives.dp_size > 1:
             bucket = self.buffer.bucket_param(self.ref.bucket)
             self._gather_work = self.collectives.all_gather_shards(bucket)

@@ -219,7 +219,13 @@ class DataParallel(nn.Module):
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see
         wrapped_param.WrappedParameter)."""
-        self.param_gather = ParamGather(self.groups, module=module, collectives=self._collectives)
+        self.param_gather = ParamGather(
+            self.groups,
+            index=self.index,
+            module=module,
+            collectives=self._collectives,
+            overlap=config.overlap_param_gather,
+        )
         """The order of the param all-gathers after each step; the optimizer calls into it."""
         self._joined: Join | None = None
         self._comm_hook: str | None = None

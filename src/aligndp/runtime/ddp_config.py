@@ -46,6 +46,10 @@ class DDPConfig:
     broadcast_buffers: bool = True
     """Copy rank 0's module buffers (BatchNorm statistics, ...) to every rank at the start of
     every forward through the wrapper, as torch DDP's ``broadcast_buffers=True``."""
+    overlap_param_gather: bool = False
+    """Sharded and layer-wise buffers: leave the param all-gathers of a step in flight and let
+    each module's forward pre-hook wait for its own buckets (installed when wrapping), instead
+    of waiting for them at the end of ``step()``."""
     collectives: str = DEFAULT_COLLECTIVES
     """Name of the collectives backend that reduces and gathers the buckets and allocates the
     buffers ([Note: collectives seam] in aligndp/runtime/collectives.py): ``"torch"`` is

@@ -13,9 +13,10 @@ serves the dgrad GEMM. Those weights are planned in buffers of their own
 same geometry; every other param gathers as before. Per bucket, after the optimizer step:
 
 1. each rank takes the amax of its owned piece of every weight of the bucket (0 where it owns
-   none), read from the piece's *source*: the fp32 master its optimizer part keeps for it
-   (:meth:`CodedGather.set_source`; every such weight has one, even an fp32 param, since
-   ``param_data`` is about to hold the decoded value);
+   none), read from the piece's *source*: the fp32 master its optimizer part keeps for it,
+   handed to each launch by the optimizer (``Sources``; every such weight has one, even an
+   fp32 param, since ``param_data`` is about to hold the decoded value; the model holds no
+   reference to the optimizer's tensors);
 2. one small all-gather of those amaxes (``dp_size x weights`` float32) and a max over ranks
    give every rank every weight's amax over the whole tensor: a ZeRO-1 piece is quantised
    with the scale of its whole param, and a layer-wise owner's scale reaches every rank;
@@ -36,6 +37,7 @@ fp32 on their owner and checkpoints save them ([Note: master weights] in optim/s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -45,7 +47,11 @@ from aligndp.plan.slots import BufferLayout
 from aligndp.runtime.collectives import Collectives, Work
 from aligndp.runtime.step_state import BucketRef, ParamIndex
 
-__all__ = ["GatherCodec", "CodedGather", "check_codec", "coded_gather"]
+__all__ = ["GatherCodec", "CodedGather", "Sources", "check_codec", "coded_gather"]
+
+Sources = Mapping[int, torch.Tensor]
+"""id(param) -> the full-precision values of this rank's piece of it (1-D: its optimizer
+part's master), what an FP8 gather encodes; a param without one encodes its ``param_data``."""
 
 
 class GatherCodec(Protocol):
@@ -140,16 +146,12 @@ class CodedGather:
     def __init__(self, index: ParamIndex, *, codec: GatherCodec, collectives: Collectives):
         self.index, self.codec, self.collectives = index, codec, collectives
         self.rank, self.dp_size = collectives.rank, collectives.dp_size
-        self._slot = {id(p): slot for p, slot in index.slots.items()}
-        """id(param) -> its GradSlot (a pending param's hash would wait for its gather: ids
-        do not, [Note: reads wait for the gather])."""
+        self._slot = index.by_id
         self.buckets: dict[BucketRef, _Bucket] = {}
         for ref in index.refs:
             buf = index.buffer(ref)
             if buf.gather_data is not None:
                 self.buckets[ref] = self._bucket(ref, index.members[ref])
-        self._sources: dict[int, torch.Tensor] = {}
-        """id(param) -> the full-precision values of this rank's piece (the part's master)."""
 
     def _bucket(self, ref: BucketRef, params: tuple[nn.Parameter, ...]) -> _Bucket:
         buf = self.index.buffer(ref)
@@ -175,25 +177,20 @@ class CodedGather:
         slot = self._slot.get(id(param))
         return slot is not None and slot.ref in self.buckets
 
-    def set_source(self, param: nn.Parameter, values: torch.Tensor) -> None:
-        """Encode ``param``'s owned piece from ``values`` (1-D, its master) from now on."""
-        owned = self._slot[id(param)].owned
-        assert owned is not None and values.numel() == owned.numel, "a source is the owned piece"
-        self._sources[id(param)] = values
-
-    def _piece(self, param: nn.Parameter) -> torch.Tensor:
-        source = self._sources.get(id(param))
-        if source is not None:
-            return source
+    def _piece(self, param: nn.Parameter, sources: Sources) -> torch.Tensor:
         slot = self._slot[id(param)]
+        source = sources.get(id(param))
+        if source is not None:
+            assert source.numel() == slot.owned.numel, "a source is the owned piece"
+            return source
         return self.index.buffer(slot.ref).param_data[slot.owned.start : slot.owned.end]
 
-    def launch(self, ref: BucketRef) -> Work:
-        """Encode this rank's pieces of bucket ``ref`` and start its all-gather (none at
-        ``dp_size == 1``); the Work to wait for, then :meth:`finish`."""
+    def launch(self, ref: BucketRef, sources: Sources) -> Work:
+        """Encode this rank's pieces of bucket ``ref`` from ``sources`` and start its
+        all-gather (none at ``dp_size == 1``); the Work to wait for, then :meth:`finish`."""
         bucket, buf = self.buckets[ref], self.index.buffer(ref)
         local = bucket.amax.view(self.dp_size, -1)[self.rank]
-        pieces = [self._piece(bucket.params[i]) for i in bucket.mine]
+        pieces = [self._piece(bucket.params[i], sources) for i in bucket.mine]
         local.zero_()
         if pieces:
             norms = torch.stack(torch._foreach_norm(pieces, float("inf")))

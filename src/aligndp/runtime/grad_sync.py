@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -103,10 +103,6 @@ class GradReducer(Reduction):
         older epoch refuses to be read."""
         self._view: ReducedGrads | None = None
         self._pending_flags: PendingFlags | None = None
-        self.reduction_listeners: list[Callable[[ReducedGrads], None]] = []
-        """Called with the :class:`ReducedGrads` after each reduction has published
-        ``param.grad`` (optimizers give the tensors they step, e.g. ZeRO-1's fp32 masters,
-        the ``.grad`` users may see)."""
         self._problems: dict[str, set[nn.Parameter]] = {"late": set(), "stale_read": set()}
         self._nonfinite: torch.Tensor | None = None
         self._finite_spans = (

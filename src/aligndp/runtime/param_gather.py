@@ -21,25 +21,29 @@ before their gather, decoded into ``param_data`` when it is waited for (their gr
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable, Sequence
 
 import torch.nn as nn
 
 from aligndp.runtime.bucket_group import BucketGroup
 from aligndp.runtime.collectives import Collectives
-from aligndp.runtime.gather_codec import CodedGather
-from aligndp.runtime.step_state import BucketRef
+from aligndp.runtime.gather_codec import CodedGather, Sources
+from aligndp.runtime.step_state import BucketRef, ParamIndex
 
 __all__ = ["ParamGather"]
+
+_NO_SOURCES: Sources = types.MappingProxyType({})
 
 
 class ParamGather:
     """The order and overlap of the per-bucket param all-gathers; each gather's work and
     pending params are its :class:`~aligndp.runtime.bucket_group.BucketGroup`'s.
 
-    The model owns one (``DataParallel.param_gather``, built with it over its groups); the
-    optimizer calls into it: :meth:`set_overlap` once, then :meth:`launch_stepped` /
-    :meth:`launch_rest` after each step and :meth:`wait_all` before writing the shards again.
+    The model owns one (``DataParallel.param_gather``, built with it over its groups, with
+    the forward pre-hooks of ``overlap`` installed then); the optimizer calls into it:
+    :meth:`launch_stepped` / :meth:`launch_rest` after each step and :meth:`wait_all` before
+    writing the shards again.
     Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef`, as on the gradient
     side; groups of buffers without ``param_data`` (replicated) hold no params to gather.
     """
@@ -48,18 +52,23 @@ class ParamGather:
         self,
         groups: Sequence[BucketGroup],
         *,
+        index: ParamIndex,
         module: nn.Module,
         collectives: Collectives,
+        overlap: bool = False,
     ) -> None:
-        """``groups`` (launch order) and ``collectives``: the model's; ``module``: the wrapped
-        module (its forward pre-hooks wait per module once :meth:`set_overlap` is on)."""
+        """``groups`` (launch order), ``index`` (the one param -> bucket index) and
+        ``collectives``: the model's; ``module``: the wrapped module; ``overlap``
+        (``overlap_param_gather``): leave the gathers in flight after the step, each module's
+        forward pre-hook (installed here) waiting for its own buckets; False waits for them at
+        the end of the step."""
         self.module = module
         self.coded: CodedGather | None = next((g.coded for g in groups if g.coded), None)
-        """The groups' low-precision gathers, if any ([Note: FP8 param gather]): the optimizer
-        parts register their masters with it."""
+        """The groups' low-precision gathers, if any ([Note: FP8 param gather]): each launch
+        takes the optimizer's masters as its sources."""
         self.collectives = collectives
         self.dp_size = collectives.dp_size
-        self.overlap = False
+        self.overlap = overlap
         self._groups: dict[BucketRef, BucketGroup] = {g.ref: g for g in groups if g.gathers}
         """The groups whose buckets hold params, by bucket."""
         self._launched: set[BucketRef] = set()
@@ -67,25 +76,16 @@ class ParamGather:
         """Bucket gathers launched so far (at dp_size 1 too, where the step's cast-back alone
         wrote ``param_data``): the params' values changed without their version counters
         (the grad sink's :meth:`~aligndp.runtime.reduction.Reduction.param_writes`)."""
-        self._group_of: dict[int, BucketGroup] = {
-            id(p): g for g in self._groups.values() for p in g.params
-        }
-        """id(param) -> the group holding it (a pending param's hash would wait: ids do not)."""
+        self._slot = index.by_id
+        """id(param) -> its slot in the model's one index (a pending param's hash would wait:
+        ids do not)."""
         self.hooks: list = []
         """Handles of the forward pre-hooks on the module (a dropped wrapper's finaliser
         removes them: [Note: dropped wrappers] in wrapped_param.py)."""
         self.order = self._forward_order(module)
         """Every bucket, in the order the forward pass first needs it (the same on every rank)."""
-
-    def set_overlap(self, overlap: bool) -> None:
-        """``overlap_param_gather``, the optimizer's choice: True leaves the gathers in flight
-        after the step, each module's forward pre-hook waiting for its own buckets; False
-        waits for them at the end of the step."""
-        self.wait_all()
-        self.remove_hooks()
-        self.overlap = overlap
         if overlap and self.dp_size > 1:
-            self._install_hooks(self.module)
+            self._install_hooks(module)
 
     def _forward_order(self, module: nn.Module) -> list[BucketRef]:
         """Buckets sorted by the earliest-registered param they hold.
@@ -103,36 +103,38 @@ class ParamGather:
         return sorted(keys, key=lambda k: (first[k], keys.index(k)))
 
     def _install_hooks(self, module: nn.Module) -> None:
-        where = self._group_of
+        where = self._slot
         for m in module.modules():
-            mine = {where[id(p)].ref for p in m.parameters(recurse=False) if id(p) in where}
+            here = m.parameters(recurse=False)
+            mine = {where[id(p)].ref for p in here if id(p) in where} & self._groups.keys()
             groups = [self._groups[ref] for ref in sorted(mine)]
             if groups:
                 self.hooks.append(m.register_forward_pre_hook(_waits_for(groups)))
 
-    def launch_stepped(self, ref: BucketRef) -> None:
+    def launch_stepped(self, ref: BucketRef, sources: Sources = _NO_SOURCES) -> None:
         """Start the gather of a bucket the optimizer has just stepped (layer-wise Muon steps
-        one bucket at a time, so this gather overlaps the next bucket's step)."""
-        self.launch_bucket(ref)
+        one bucket at a time, so this gather overlaps the next bucket's step). ``sources``:
+        the optimizer's masters a coded gather encodes ([Note: FP8 param gather])."""
+        self.launch_bucket(ref, sources)
         self._launched.add(ref)
 
-    def launch_rest(self) -> None:
+    def launch_rest(self, sources: Sources = _NO_SOURCES) -> None:
         """Start every bucket not started since the last call, in :attr:`order` (forward
         order, the same on every rank); wait for all unless overlapping the next forward."""
         for key in self.order:
             if key not in self._launched:
-                self.launch_bucket(key)
+                self.launch_bucket(key, sources)
         self._launched.clear()
         if not self.overlap:
             self.wait_all()
 
-    def launch_bucket(self, key: BucketRef) -> None:
+    def launch_bucket(self, key: BucketRef, sources: Sources = _NO_SOURCES) -> None:
         """Start one bucket's all-gather now (every rank must start the same buckets in the
         same order)."""
         self.writes += 1
         group = self._groups.get(key)
         if group is not None:
-            group.launch_gather(self if self.overlap else None)
+            group.launch_gather(self if self.overlap else None, sources)
 
     def wait(self, keys: Iterable[BucketRef]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""
@@ -143,7 +145,8 @@ class ParamGather:
 
     def wait_for(self, param: nn.Parameter) -> None:
         """Wait for the gather of the bucket holding ``param`` (a pending param being read)."""
-        group = self._group_of.get(id(param))  # my params are alive: their ids are theirs
+        slot = self._slot.get(id(param))  # my params are alive: their ids are theirs
+        group = self._groups.get(slot.ref) if slot is not None else None
         if group is not None:
             group.wait_gather()
 

@@ -138,9 +138,6 @@ class Reduction:
                 if armed[k] and k not in self._published:
                     p.grad = None
                     armed[k] = False
-        reduced = self.reduced()
-        for listener in self.reduction_listeners:
-            listener(reduced)
         self.nonfinite = None
         if nonfinite:
             skip = self.config.on_nonfinite == "skip"
@@ -158,7 +155,7 @@ class Reduction:
                 raise FloatingPointError(self.nonfinite)
         if problems:
             raise RuntimeError(problems)
-        return reduced
+        return self.reduced()
 
     def _flags(self, values: list[int]) -> torch.Tensor:
         """This rank's flags (step_flags.py) on the device, summed over the ranks."""

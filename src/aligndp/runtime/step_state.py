@@ -92,6 +92,9 @@ class ParamIndex:
     """Every bucket, in launch order (buffer by buffer, bucket by bucket)."""
     members: Mapping[BucketRef, tuple[nn.Parameter, ...]]
     """Each bucket's params, in registration order."""
+    by_id: Mapping[int, GradSlot]
+    """``slots`` keyed by ``id(param)``: what the param gather looks up, where a pending
+    param's hash would wait for its gather ([Note: reads wait for the gather])."""
 
     def buffer(self, ref: BucketRef) -> FlatBuffer:
         return self.buffers[ref.buffer]
@@ -121,7 +124,13 @@ def param_index(
     members: dict[BucketRef, list[nn.Parameter]] = {ref: [] for ref in refs}
     for p, slot in slots.items():
         members[slot.ref].append(p)
-    return ParamIndex(tuple(buffers), slots, refs, {ref: tuple(ps) for ref, ps in members.items()})
+    return ParamIndex(
+        tuple(buffers),
+        slots,
+        refs,
+        {ref: tuple(ps) for ref, ps in members.items()},
+        {id(p): slot for p, slot in slots.items()},
+    )
 
 
 class ReducedGrads:
