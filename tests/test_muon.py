@@ -247,6 +247,26 @@ def case_split_groups_that_overlap_are_made_on_every_rank(rank, ws):
     assert split_ns.split_groups(needed) == made  # cached: no group made twice
 
 
+@case(4)
+def case_split_groups_of_a_job_smaller_than_the_default_group(rank, ws):
+    """A job of ranks {0, 1, 2} while rank 3 does other work: rank 0 needs {0, 1} then {0, 2},
+    rank 2 only {0, 2}. Members make a group with local synchronisation, which torch names by
+    how many groups the caller has made: rank 2 makes a group of itself at {0, 1}'s turn, so
+    ranks 0 and 2 name {0, 2} alike (without it they waited for each other forever)."""
+    from aligndp.optim import split_ns
+
+    job = dist.new_group([0, 1, 2])
+    if rank == 3:
+        return
+    needed = [r for r in ((0, 1), (0, 2)) if rank in r]
+    made = split_ns.split_groups(needed, job)
+    assert sorted(made) == sorted(needed)
+    for ranks, group in made.items():
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(r + 1 for r in ranks), f"group {ranks}: {t.item()}"
+
+
 def _issue_gpt():
     from aligndp.models.gpt import GPT, GPTConfig
 

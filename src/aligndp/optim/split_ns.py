@@ -49,36 +49,55 @@ __all__ = [
 NS_DTYPE = torch.bfloat16
 """The dtype Newton–Schulz runs in, as torch's Muon (bf16); tests set fp32 on both sides."""
 
-_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
-"""(id of the default group, global ranks) -> (that default group, the sub-group): the same
-keys on every rank, since every rank makes every group."""
+_GROUPS: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup | None]] = {}
+"""(id of the default group, global ranks) -> (that default group, the sub-group or None on a
+rank outside it): the same keys on every rank of a job, since each of them makes every group."""
 
 
-def split_groups(needed: Sequence[Sequence[int]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+def split_groups(
+    needed: Sequence[Sequence[int]], job: dist.ProcessGroup | None = None
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """The sub-groups of this rank's split matrices, keyed by their sorted global ranks.
 
-    A collective of the whole job: every rank calls it once, at wrap time, with the global
-    ranks of the groups it needs in plan order (none is fine). The ranks share their lists
-    (one ``all_gather_object``) and then *every* rank makes *every* group in one agreed order
-    with ``dist.new_group`` (group creation is collective over the default group), so no rank
-    can wait for a group that another never makes. Groups made with
-    ``use_local_synchronization=True`` (only their members calling) hang when two of them
-    overlap: at 4 ranks, ranks 0, 1, 2 waited forever in ``new_group([0, 1, 2])`` after
-    ``new_group([0, 1, 3])`` (gloo, CPU and CUDA tensors alike). Groups are cached per default
-    group, identically on every rank, so a second wrap of the same plan makes none.
+    A collective of the data-parallel job ``job`` (None: the default group): every rank of it
+    calls this once, at wrap time, with the global ranks of the groups it needs in plan order
+    (none is fine). The ranks share their lists (one ``all_gather_object``) and then every rank
+    takes part in making every group, in one agreed order, so no rank can wait for a group that
+    another never makes.
+
+    Why not each group made by its members alone (``use_local_synchronization=True``): torch
+    names such a group by its ranks *and by how many groups the calling rank has made*, so two
+    members that have made different numbers of groups name it differently and wait forever
+    (issue 42: ranks 0, 1, 2 in ``new_group([0, 1, 2])`` after ranks 0, 1 had made
+    ``[0, 1, 3]``). So: when the job is every rank of the default group, every rank calls
+    ``dist.new_group`` for every group (collective over the default group, named by a shared
+    counter). When it is a subgroup (the other ranks may be doing anything), the members of a
+    group make it with local synchronisation and every other rank of the job makes a group of
+    itself alone at the same turn, so all ranks of the job have made the same number of groups
+    at every turn. Groups are cached per default group, identically on every rank of the job.
     """
     world = dist.group.WORLD
-    # a rehearsal makes only its own rank's groups ([Note: rehearsal on the fake process group])
-    everyone = gather_objects([tuple(sorted(r)) for r in needed])
-    order = list(dict.fromkeys(ranks for mine in everyone for ranks in mine or ()))
     me = dist.get_rank()
+    # a rehearsal makes only its own rank's groups ([Note: rehearsal on the fake process group])
+    everyone = gather_objects([tuple(sorted(r)) for r in needed], group=job)
+    order = list(dict.fromkeys(ranks for mine in everyone for ranks in mine or ()))
+    whole = job is None or dist.get_world_size(job) == dist.get_world_size()
     out: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in order:
         key = (id(world), ranks)
         if key not in _GROUPS or _GROUPS[key][0] is not world:
-            _GROUPS[key] = (world, dist.new_group(list(ranks)))
+            if whole:
+                group = dist.new_group(list(ranks))
+            elif me in ranks:
+                group = dist.new_group(list(ranks), use_local_synchronization=True)
+            else:  # keeps this rank's count of groups equal to the members'
+                group = None
+                dist.new_group([me], use_local_synchronization=True)
+            _GROUPS[key] = (world, group)
         if me in ranks:
-            out[ranks] = _GROUPS[key][1]
+            group = _GROUPS[key][1]
+            assert group is not None, f"rank {me} made no group {ranks}"
+            out[ranks] = group
     return out
 
 

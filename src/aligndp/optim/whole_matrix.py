@@ -213,7 +213,9 @@ class WholeMatrixPart(OptimizerPart):
             if (split := model.index.slots[self.params[i]].slot.split) is not None
             and split.part_of(model.rank) is not None
         }
-        made = split_groups([global_split_ranks(s, group) for s in mine.values()])
+        made = split_groups(
+            [global_split_ranks(s, group) for s in mine.values()], model.process_group
+        )
         self.splits: dict[int, SplitMatrix] = {
             i: SplitMatrix(
                 self.params[i].shape,
