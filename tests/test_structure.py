@@ -254,6 +254,9 @@ ALLOWED_PRIVATE_TORCH = {
     "torch._scaled_mm": "the fp8-tensor recipe's GEMM (torch has no public one)",
     "torch.autograd.Variable._execution_engine": "the end-of-backward callback, as torch DDP",
     "torch.utils._pytree": "the tensors of any module output (namedtuples, registered classes)",
+    "torch.nn.parallel.DistributedDataParallel._active_ddp_module": "Dynamo's DDPOptimizer "
+    "splits a compiled graph at bucket boundaries while it is set, as torch DDP sets it "
+    "(runtime/compiled_overlap.py; checked for with hasattr, a warning where it is missing)",
     "torch._inductor": "the read-back barrier in Inductor's Triton code (no public hook; "
     "triton-lang/triton#10924, lowp/readback_barrier.py)",
 }

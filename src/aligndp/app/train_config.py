@@ -77,8 +77,8 @@ class TrainConfig:
     Triton is installed, off on CPU. Measured on one H200 at gpt2-small (bf16, batch 8x1024):
     21.7 ms per step against 41.3 eager and 37.0 with each block compiled on its own
     (benchmarks/results/session10_2026-12-01.md); the first step pays a compile of tens of
-    seconds. On several GPUs the whole-model backward is one node, so bucket reductions start
-    when it ends instead of overlapping it."""
+    seconds. On several GPUs Dynamo splits the graph at bucket boundaries, so bucket reductions
+    overlap the backward ([Note: compiled overlap] in aligndp/runtime/compiled_overlap.py)."""
     eval_every: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
     checkpoint_dir: str | None = None
