@@ -24,14 +24,16 @@ param's storage is its whole flat buffer (``param.data`` is a view, runtime/buff
 cap of one bucket's bytes would split a ZeRO-1 graph at every param. The cap is instead the
 bytes it counts over all params divided by the number of aligndp buckets, so the split makes
 about as many subgraphs as there are buckets (the cap is at least 1 MiB, the least
-DDPOptimizer accepts). The split follows the graph's order and its byte count, not
-aligndp's layout, so a subgraph boundary and a bucket boundary need not coincide: a bucket
-launches once its last param's subgraph has run its backward (readiness is counted per
-param, [Note: bucket readiness] in DESIGN.md), and the end-of-backward callback launches what
-is left, as without the split. Nothing is presented with one rank (nothing to overlap: the
-one-GPU compiled step keeps its single graph), ``overlap=False``, one bucket, or grad
-disabled. ``torch._dynamo.config.optimize_ddp = False`` turns the split off for torch DDP
-and aligndp alike.
+DDPOptimizer accepts). Eight 256 x 256 Linears in two 1 MiB buckets, ZeRO-1: 8 subgraphs
+with one bucket's bytes as the cap, 3 with the divided cap (DDPOptimizer closes its first
+one at 1 MiB, as for torch DDP); replicated: 2. The split follows the graph's order and its
+byte count, not aligndp's layout, so a subgraph boundary and a bucket boundary need not
+coincide: a bucket launches once its last param's subgraph has run its backward (readiness
+is counted per param, [Note: bucket readiness] in DESIGN.md), and the end-of-backward
+callback launches what is left, as without the split. Nothing is presented with one rank
+(nothing to overlap: the one-GPU compiled step keeps its single graph), ``overlap=False``,
+one bucket, or grad disabled. ``torch._dynamo.config.optimize_ddp = False`` turns the split
+off for torch DDP and aligndp alike.
 
 Alternatives not taken: compiled autograd (one traced backward; its hooks still run at the
 end of the graph unless collectives are traced in, and it recompiles on every hook change);
