@@ -11,7 +11,8 @@ torch.profiler trace of that step per variant (open in Perfetto: gloo's collecti
 the backward's kernels).
 
     python benchmarks/compiled_overlap_order.py --device cuda
-    python benchmarks/compiled_overlap_order.py --device cpu --preset demo   # a CPU check
+    python benchmarks/compiled_overlap_order.py --device cpu --preset demo --dim 256 \
+        --layers 3 --batch 2 --bucket-numel 500000   # a CPU check (minutes on 2 cores)
 
 ``--no-split`` sets ``torch._dynamo.config.optimize_ddp = False`` (the whole backward one node),
 the order without the graph split.
@@ -20,6 +21,7 @@ the order without the graph split.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -41,6 +43,10 @@ VARIANTS = {
 
 def run_variant(name: str, args, rank: int, device: torch.device) -> dict:
     cfg = PRESETS[args.preset]
+    if args.dim or args.layers:  # a smaller model for a CPU check
+        cfg = dataclasses.replace(
+            cfg, dim=args.dim or cfg.dim, num_layers=args.layers or cfg.num_layers
+        )
     torch.manual_seed(0)
     model, opt = aligndp.parallelize(
         GPT(cfg).to(device), bucket_numel=args.bucket_numel, **VARIANTS[name]
@@ -123,6 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
+    parser.add_argument("--dim", type=int, default=0, help="override the preset's width")
+    parser.add_argument("--layers", type=int, default=0, help="override its number of blocks")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bucket-numel", type=int, default=4_000_000)
