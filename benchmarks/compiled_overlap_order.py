@@ -15,7 +15,7 @@ the backward's kernels).
         --layers 3 --batch 2 --bucket-numel 500000   # a CPU check (minutes on 2 cores)
 
 ``--no-split`` sets ``torch._dynamo.config.optimize_ddp = False`` (the whole backward one node),
-the order without the graph split.
+the order without the graph split; ``--eager`` the order without compiling.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run_variant(name: str, args, rank: int, device: torch.device) -> dict:
         setattr(coll, op, logged)
     first = next(p for p in model.module.parameters())
     first.register_hook(lambda g: note("first layer grad"))
-    compiled = torch.compile(model)
+    compiled = model if args.eager else torch.compile(model)
     g = torch.Generator().manual_seed(rank)
     idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g).to(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--profile", default=None, help="write a trace per variant here")
     parser.add_argument("--no-split", action="store_true", help="optimize_ddp=False")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile: the eager order")
     args = parser.parse_args()
     init_file = tempfile.mktemp(prefix="compiled_overlap_")
     mp.spawn(worker, args=(args, init_file), nprocs=2)
