@@ -30,6 +30,10 @@ STEPS = 3
 BUCKET_NUMEL = WIDTH * WIDTH
 """A bucket closes once it holds a layer's bias and weight: one bucket per layer."""
 LR, MUON_LR = 1e-3, 0.02
+MUON_FILTER = ["2.weight", "4.weight", "6.weight"]
+"""Muon steps the later matrices; the first layer's weight goes to AdamW, as a GPT's embedding
+does: the AdamW buffer then comes first and its bucket is ready last, see
+[Note: launch order across buffers] in aligndp/runtime/step_state.py."""
 
 
 def make_net() -> nn.Sequential:
@@ -54,7 +58,7 @@ def torch_reference(optimizer: str, sharding: str):
     ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1)
     named = dict(net.named_parameters())
     if optimizer == "muon":
-        routing = route_params(net)
+        routing = route_params(net, muon_filter=MUON_FILTER)
         opts = [
             torch.optim.Muon(
                 [named[n] for n in routing.whole], lr=MUON_LR, adjust_lr_fn="match_rms_adamw"
@@ -69,7 +73,9 @@ def torch_reference(optimizer: str, sharding: str):
 def compiled_overlap_matches_torch_ddp(rank: int, ws: int, *, optimizer: str, sharding: str):
     ns = fp32_newton_schulz() if optimizer == "muon" else contextlib.nullcontext()
     with ns:
-        kwargs = {"muon_lr": MUON_LR, "adamw_lr": LR} if optimizer == "muon" else {"lr": LR}
+        kwargs = {"lr": LR}
+        if optimizer == "muon":
+            kwargs = {"muon_lr": MUON_LR, "adamw_lr": LR, "muon_filter": MUON_FILTER}
         model, opt = aligndp.parallelize(
             make_net(), optimizer=optimizer, sharding=sharding, bucket_numel=BUCKET_NUMEL, **kwargs
         )
