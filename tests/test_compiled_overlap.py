@@ -9,7 +9,9 @@ must be split for any collective to start before the first layer's gradient exis
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 import aligndp
 from aligndp.plan.routing import route_params
-from aligndp.runtime.compiled_overlap import FIRST_BUCKET_BYTES, split_bytes
+from aligndp.runtime.compiled_overlap import FIRST_BUCKET_BYTES, CompiledOverlap, split_bytes
 from tests._dist import case, make_tests
 from tests.models import ADAMW_GAIN, MUON_GAIN, assert_close, fp32_newton_schulz, order_tolerance
 
@@ -154,6 +156,46 @@ def case_split_cap_counts_storage_bytes_per_bucket(rank, ws):
     assert alone.compiled_overlap.face is None
     model.remove_hooks()
     alone.remove_hooks()
+
+
+def test_presents_its_buckets_during_forward_and_restores_the_previous_module():
+    """enter() sets what Dynamo reads, leave() puts back what was there (an enclosing torch DDP's
+    forward); nothing is presented with grad disabled, and a leave() without enter() is a no-op."""
+    ddp = nn.parallel.DistributedDataParallel
+    overlap = CompiledOverlap(
+        [nn.Parameter(torch.zeros(4))], num_buckets=2, world_size=2, overlap=True
+    )
+    outer = object()
+    ddp._active_ddp_module = outer
+    try:
+        overlap.enter()
+        assert ddp._active_ddp_module is overlap.face
+        assert overlap.face.bucket_bytes_cap == FIRST_BUCKET_BYTES
+        overlap.leave()
+        assert ddp._active_ddp_module is outer
+        overlap.leave()
+        assert ddp._active_ddp_module is outer
+        with torch.no_grad():
+            overlap.enter()
+        assert ddp._active_ddp_module is outer
+        overlap.leave()
+    finally:
+        ddp._active_ddp_module = None
+    for world_size, num_buckets, on in ((1, 2, True), (2, 1, True), (2, 2, False)):
+        quiet = CompiledOverlap([], num_buckets=num_buckets, world_size=world_size, overlap=on)
+        assert quiet.face is None, (world_size, num_buckets, on)
+
+
+def test_a_torch_without_the_seam_warns_and_presents_nothing():
+    with (
+        mock.patch("aligndp.runtime.compiled_overlap._torch_has_the_split", return_value=False),
+        pytest.warns(UserWarning, match="compile block by block"),
+    ):
+        overlap = CompiledOverlap([], num_buckets=2, world_size=2, overlap=True)
+    assert overlap.face is None
+    overlap.enter()
+    assert nn.parallel.DistributedDataParallel._active_ddp_module is None
+    overlap.leave()
 
 
 make_tests(globals())
