@@ -260,6 +260,9 @@ ALLOWED_PRIVATE_TORCH = {
     "backend (no public module does, torch 2.9-2.13): the rehearsal (runtime/fake_world.py)",
     "torch.utils._python_dispatch": "TorchDispatchMode: the rehearsal's probe sees every c10d "
     "collective and tensor storage on any backend (app/rehearse_probe.py; CommDebugMode is one)",
+    "torch.nn.parallel.DistributedDataParallel._active_ddp_module": "Dynamo's DDPOptimizer "
+    "splits a compiled graph at bucket boundaries while it is set, as torch DDP sets it "
+    "(runtime/compiled_overlap.py; checked for with hasattr, a warning where it is missing)",
     "torch._inductor": "the read-back barrier in Inductor's Triton code (no public hook; "
     "triton-lang/triton#10924, lowp/readback_barrier.py)",
 }

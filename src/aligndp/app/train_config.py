@@ -91,8 +91,9 @@ class TrainConfig:
     """torch.compile the wrapped model (one graph for the forward, one for the backward; the
     wrapper's own forward stays eager). Default (neither flag): on for --device cuda where
     Triton is installed, off on CPU (timings: docs/performance.md); the first step pays a
-    compile of tens of seconds. On several GPUs the whole-model backward is
-    one node, so bucket reductions start when it ends instead of overlapping it."""
+    compile of tens of seconds. On several GPUs Dynamo splits the graph at bucket boundaries, so
+    bucket reductions overlap the backward ([Note: compiled overlap] in
+    aligndp/runtime/compiled_overlap.py)."""
     eval_every: int = 100
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
     checkpoint_dir: str | None = None

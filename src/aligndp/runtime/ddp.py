@@ -72,6 +72,7 @@ from aligndp.runtime.collective_backends import (
     make_collectives,
 )
 from aligndp.runtime.collectives import Collectives
+from aligndp.runtime.compiled_overlap import CompiledOverlap
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.forward_hooks import after_forward, before_forward
 from aligndp.runtime.gather_codec import GatherCodec
@@ -249,6 +250,7 @@ class DataParallel(nn.Module):
         # state_dict() waits for gathers, layers write to the reducer: [Note: dropped wrappers]
         attach_to_module(self, self._hooks, self.reducer, self.param_gather, [m for _, m in fused])
         self._in_call = False  # between our forward pre-hook and hook ([Note: compiled forward])
+        self.compiled_overlap = CompiledOverlap.of(self)  # [Note: compiled overlap]
         self.register_forward_pre_hook(before_forward)
         self.register_forward_hook(after_forward, always_call=True)  # also when forward raises
 

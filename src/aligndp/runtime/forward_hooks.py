@@ -29,12 +29,14 @@ def before_forward(dp, args: tuple) -> None:
     if torch.is_grad_enabled():
         dp.reducer._reopen()  # before autograd accumulates into a ShardedGrad
         dp.reducer.arm()  # [Note: gradient as bucket view]
+    dp.compiled_overlap.enter()  # Dynamo splits the graph at buckets: [Note: compiled overlap]
 
 
 @torch.compiler.disable
 def after_forward(dp, args: tuple, out: object) -> object:
     """The end-of-backward watch of one rank, and gathers a forward left unwaited."""
     dp._in_call = False
+    dp.compiled_overlap.leave()
     if dp.reducer.collecting and torch.is_grad_enabled():
         dp.reducer.landing.watch(dp.reducer, out)
     gather = dp.param_gather

@@ -89,7 +89,7 @@ class ParamIndex:
     slots: Mapping[nn.Parameter, GradSlot]
     """Every trainable param's :class:`GradSlot`, in registration order."""
     refs: tuple[BucketRef, ...]
-    """Every bucket, in launch order (buffer by buffer, bucket by bucket)."""
+    """Every bucket, in launch order ([Note: launch order across buffers])."""
     members: Mapping[BucketRef, tuple[nn.Parameter, ...]]
     """Each bucket's params, in registration order."""
     by_id: Mapping[int, GradSlot]
@@ -118,9 +118,7 @@ def param_index(
             sharded = ShardedGrad(p) if owned is not None else None
             slots[p] = GradSlot(position[p], BucketRef(i, s.bucket), s, view, owned, sharded)
     slots = dict(sorted(slots.items(), key=lambda item: item[1].index))
-    refs = tuple(
-        BucketRef(i, b) for i, buf in enumerate(buffers) for b in range(len(buf.layout.buckets))
-    )
+    refs = _launch_order(buffers, slots.values())
     members: dict[BucketRef, list[nn.Parameter]] = {ref: [] for ref in refs}
     for p, slot in slots.items():
         members[slot.ref].append(p)
@@ -131,6 +129,28 @@ def param_index(
         {ref: tuple(ps) for ref, ps in members.items()},
         {id(p): slot for p, slot in slots.items()},
     )
+
+
+def _launch_order(buffers: Sequence[FlatBuffer], slots) -> tuple[BucketRef, ...]:
+    """[Note: launch order across buffers]
+    Buckets launch strictly in one order, the same on every rank ([Note: bucket readiness]),
+    so a bucket that is ready late holds back every bucket after it. Each buffer's buckets
+    keep their order (reverse registration: about backward's); the buffers are merged by each
+    bucket's earliest-registered param, the latest first, since backward reaches that param
+    last. Buffer by buffer instead, layer-wise Muon on a GPT launched nothing before the end of
+    backward, eager or compiled: its AdamW buffer comes first (the embedding is registered
+    first) and its one bucket holds the embedding, whose gradient comes last."""
+    first: dict[BucketRef, int] = {}
+    for slot in slots:
+        first[slot.ref] = min(first.get(slot.ref, slot.index), slot.index)
+    queues = [
+        [BucketRef(i, b) for b in range(len(buf.layout.buckets))] for i, buf in enumerate(buffers)
+    ]
+    order: list[BucketRef] = []
+    while any(queues):  # ties: the lower buffer first (max keeps the first maximum)
+        queue = max((q for q in queues if q), key=lambda q: first.get(q[0], -1))
+        order.append(queue.pop(0))
+    return tuple(order)
 
 
 class ReducedGrads:
