@@ -235,4 +235,77 @@ def case_ddp_uneven_inputs_train_on_under_join(rank, ws):
         dist.barrier(group=group)
 
 
+# ---- planted bugs that survived the suite (issue 42, item 5) ----
+
+
+class OwnParameter(nn.Parameter):
+    """A user's own Parameter subclass: aligndp keeps its class, so its view is zeroed
+    eagerly at ``zero_grad`` instead of lazily."""
+
+
+@case(2)
+def case_own_parameter_subclass_starts_each_step_from_a_zero_gradient(rank, ws):
+    """bf16 params with float32 gradient buffers: a param of the user's own ``Parameter``
+    subclass starts every step from zero (``zero_grad`` zeroes its view), so its second
+    step's ``main_grad`` is that step's gradient alone, bit for bit as a fresh wrap's."""
+    grads = []
+    for steps in (2, 1):
+        net = seeded(Net).to(torch.bfloat16)
+        net.fc1.weight = OwnParameter(net.fc1.weight.detach().clone())
+        model, opt = wrap(net, "none", grad_dtype=torch.float32, optimizer="sgd", lr=0.0)
+        for _ in range(steps):
+            opt.zero_grad()
+            assert not model.module.fc1.weight.main_grad.any(), "zero_grad left a gradient"
+            backward_on(model, 1, rank, ws)  # the same data each time: lr 0 keeps the params
+        grads.append(model.module.fc1.weight.main_grad.clone())
+    assert torch.equal(grads[0], grads[1]), (grads[0] - grads[1]).abs().max()
+
+
+@case(2)
+def case_evaluation_between_backward_and_step_changes_nothing(rank, ws):
+    """A ``torch.no_grad()`` forward (evaluation) between ``backward()`` and ``opt.step()``
+    leaves the reduced gradients and the step as they were: training matches torch DDP doing
+    the same, in every mode."""
+    for mode in MODES:
+        model, opt = wrap(seeded(Net), mode)
+        ref = TorchDDP(seeded(Net), mode)
+        with newton_schulz_fp32(mode):
+            for step in range(3):
+                backward_on(model, step, rank, ws)
+                backward_on(ref.model, step, rank, ws)
+                with torch.no_grad():
+                    model(torch.zeros(2, 5, dtype=torch.long))
+                    ref.model(torch.zeros(2, 5, dtype=torch.long))
+                assert model.reducer.state.name == "REDUCED", (mode, model.reducer.state)
+                opt.step()
+                opt.zero_grad()
+                ref.step()
+                ref.zero_grad()
+                assert_params_match(model.module, ref.module, f"{mode} step {step}", REL)
+
+
+class RankBuffer(Net):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+
+
+@case(2)
+def case_forward_sync_buffers_takes_precedence_over_broadcast_buffers(rank, ws):
+    """torch DDP's precedence when both are given: ``forward_sync_buffers`` decides whether
+    rank 0's buffers are copied to every rank at each forward, ``broadcast_buffers`` not."""
+    for forward_sync, broadcast in ((False, True), (True, False), (True, True), (False, False)):
+        model, _ = wrap(
+            seeded(RankBuffer),
+            "none",
+            forward_sync_buffers=forward_sync,
+            broadcast_buffers=broadcast,
+        )
+        model.module.seen.fill_(float(rank))
+        with torch.no_grad():
+            model(torch.zeros(2, 5, dtype=torch.long))
+        expected = 0.0 if forward_sync else float(rank)
+        assert model.module.seen.eq(expected).all(), (forward_sync, broadcast, model.module.seen)
+
+
 make_tests(globals())
