@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT = datetime.timedelta(seconds=120)
-CASE_TIMEOUT = float(os.environ.get("ALIGNDP_CASE_TIMEOUT", "300"))
+CASE_TIMEOUT = float(os.environ.get("ALIGNDP_CASE_TIMEOUT", "600"))
 """Seconds one case may run on a rank before that rank dumps every thread's stack (the call it
 waits in) under the rank and case name, and exits: the case fails naming both, never hangs."""
 

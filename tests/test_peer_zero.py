@@ -174,16 +174,16 @@ def case_zero_constructor(rank, ws):
     bad = [([], ValueError), (torch.randn(1), TypeError), (1.2, TypeError)]
     bad.append((list(m.parameters()) + [42], TypeError))
     good = [
-        [{"params": [lin.weight for lin in m]}, {"params": [lin.bias for lin in m]}],
-        m.parameters(),
-        list(m.parameters()),
+        lambda: [{"params": [lin.weight for lin in m]}, {"params": [lin.bias for lin in m]}],
+        m.parameters,  # a generator, made afresh for each call
+        lambda: list(m.parameters()),
     ]
     for sharding in SHARDINGS:
         for groups, error in bad:
             with pytest.raises(error):
                 aligndp.parallelize(m, optimizer="sgd", sharding=sharding, param_groups=groups)
         for groups in good:
-            aligndp.parallelize(m, optimizer="sgd", sharding=sharding, param_groups=groups)
+            aligndp.parallelize(m, optimizer="sgd", sharding=sharding, param_groups=groups())
         _, opt = aligndp.parallelize(
             m,
             optimizer=torch.optim.AdamW,

@@ -106,6 +106,8 @@ def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> boo
     try:
         whole.grad = grads[0].clone()
         opt_whole.step()
+    except NotImplementedError:  # no step of its own: nothing elementwise about it
+        return False
     except Exception as e:  # a step() that needs a closure (LBFGS) or keywords
         parent = next(
             (c for c in opt_class.__mro__[1:] if c in ELEMENTWISE_OPTIMIZERS.values()), None
