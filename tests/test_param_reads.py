@@ -307,6 +307,8 @@ def case_the_first_module_starts_while_later_gathers_are_in_flight(rank, ws):
                 backward_on(model, step, rank, ws)
                 opt.step()
                 opt.zero_grad()
+            with torch.no_grad():
+                model(batch(0)[0])
         assert len(opt.gather.order) > 1 and opt.gather.in_flight == 0, mode
         assert seen[1] >= len(opt.gather.order) - 1, (mode, seen, len(opt.gather.order))
 

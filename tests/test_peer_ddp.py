@@ -172,6 +172,14 @@ def case_ddp_pickle_saves_and_loads_the_wrapped_model(rank, ws):
             if mode == "none":  # replicated: full reduced gradients on every rank
                 for n, p in twin.module.named_parameters():
                     assert torch.allclose(grads[n], p.grad, rtol=1e-6, atol=1e-7), (mode, n)
+    model, opt = wrap(seeded(Net), "zero1", overlap_param_gather=True)  # gathers in flight
+    backward_on(model, 0, rank, ws)
+    opt.step()
+    f = io.BytesIO()
+    torch.save(model, f)
+    f.seek(0)
+    loaded = torch.load(f, weights_only=False)
+    assert_params_match(loaded.module, model.module, "zero1, overlapped gathers, loaded", 0.0)
 
 
 def _even_steps(model, opt, ref, rank, ws, steps, **join) -> None:
