@@ -127,11 +127,16 @@ def case_ddp_step_after_zero_grad_and_a_forward_without_backward_changes_nothing
 
 @case(4)
 def case_ddp_undefined_gradient_and_no_backward_on_a_2x2_mesh(rank, ws):
-    """The two cases above on a 2 x 2 mesh (replicas of a sharded job), zero1 and Muon."""
+    """The two cases above on a 2 x 2 mesh (replicas of a sharded job), zero1 and Muon; and
+    ``torch.save`` of a model over more than the default group is refused with torch DDP's
+    RuntimeError, as torch refuses to pickle DDP over a non-default group."""
     mesh = aligndp.replica_mesh(2, "cpu")
     for mode in ("zero1", "muon zero1"):
         _undefined_grads_are_not_stepped(rank, ws, mode, mesh=mesh)
         _no_backward_steps_nothing(rank, ws, mode, mesh=mesh)
+    model, _ = wrap(seeded(Net), "zero1", mesh=mesh)
+    with pytest.raises(RuntimeError, match="default process group"):  # torch DDP's refusal
+        torch.save(model, io.BytesIO())
 
 
 @case(2)
