@@ -92,6 +92,12 @@ def _undefined_grads_are_not_stepped(rank, ws, mode, **kwargs) -> None:
 def _no_backward_steps_nothing(rank, ws, mode, **kwargs) -> None:
     model, opt = wrap(seeded(Net), mode, **kwargs)
     with newton_schulz_fp32(mode):
+        fresh = snapshot(model.module)  # a fresh wrap arms every view at its first forward
+        opt.zero_grad()
+        model(torch.zeros(2, 5, dtype=torch.long))
+        opt.step()
+        moved = [n for n, p in snapshot(model.module).items() if not torch.equal(p, fresh[n])]
+        assert not moved, f"{mode}: the first step() without a backward moved {moved}"
         backward_on(model, 0, rank, ws)
         opt.step()
         opt.zero_grad()
