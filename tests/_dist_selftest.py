@@ -40,3 +40,14 @@ def case_rank_dies(rank, ws):
 
 def case_after_the_death(rank, ws):
     case_passes(rank, ws)
+
+
+def case_hangs_in_a_barrier_on_rank_0(rank, ws):
+    """Rank 0 waits in a barrier that rank 1, asleep, never reaches: the runner's per-case
+    timeout dumps where each rank waits."""
+    if rank == 0:
+        dist.barrier()
+    else:
+        import time
+
+        time.sleep(60)

@@ -81,3 +81,27 @@ def test_quiet_launcher_restores_every_elastic_logger_level():
     finally:
         for lg, level in zip(loggers, saved):
             lg.setLevel(level)
+
+
+def test_replicas_build_r_replicas_of_world_over_r_shards(monkeypatch):
+    """Issue 42, planted bug: ``--replicas R`` on a world of W ranks builds the (R, W / R) mesh,
+    dims ("replicate", "shard"), also where R != W / R (2 replicas of 4 shards on 8 ranks,
+    4 of 2), never its transpose; one replica builds no mesh (the flat path)."""
+    import torch
+    import torch.distributed.device_mesh as device_mesh
+
+    import aligndp.runtime.mesh as mesh_module
+    from aligndp.app.train_loop import replica_mesh
+
+    built = []
+
+    def fake_mesh(device_type, shape, mesh_dim_names):
+        built.append((device_type, tuple(shape), tuple(mesh_dim_names)))
+        return built[-1]
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", fake_mesh)
+    monkeypatch.setattr(mesh_module.dist, "get_world_size", lambda *a: 8)
+    for replicas, shape in ((2, (2, 4)), (4, (4, 2)), (8, (8, 1))):
+        got = replica_mesh(replicas, torch.device("cpu"))
+        assert got == ("cpu", shape, ("replicate", "shard")), (replicas, got)
+    assert replica_mesh(1, torch.device("cpu")) is None

@@ -147,3 +147,23 @@ def test_a_full_tmpfs_mid_save_is_one_oserror_line(small_tmpfs):
     """The first save fits in 6 MiB, the second runs out of space part-way."""
     report = save_twice_onto(small_tmpfs, limit=0)
     assert_one_oserror_line(report, "no space left on the device")
+
+
+def test_corruption_anywhere_in_a_file_of_several_read_blocks_changes_its_checksum(tmp_path):
+    """Issue 42, planted bug: a checkpoint file larger than one read block (8 MiB) is checked
+    over every block, so one flipped byte in its first block, in the middle, or in its last
+    byte is found at load (``file_checksum`` is what load compares)."""
+    from aligndp.state.checkpoint_files import file_checksum
+
+    path = tmp_path / "__0_0.distcp"
+    size = (1 << 23) * 2 + 12345
+    data = bytearray(os.urandom(size))
+    path.write_bytes(data)
+    clean = file_checksum(str(path))
+    for where in (0, 1 << 23, size // 2, size - 1):
+        data[where] ^= 0xFF
+        path.write_bytes(data)
+        assert file_checksum(str(path)) != clean, f"a flipped byte at {where} went unseen"
+        data[where] ^= 0xFF
+    path.write_bytes(data)
+    assert file_checksum(str(path)) == clean

@@ -31,3 +31,14 @@ def test_a_dead_rank_fails_the_case_it_ran_and_names_it():
         "not run" in results["case_after_the_death"]
         and "case_rank_dies" in results["case_after_the_death"]
     )
+
+
+def test_a_case_that_hangs_fails_naming_rank_case_and_the_call_it_waits_in(monkeypatch):
+    """Issue 42 "no hang": past ALIGNDP_CASE_TIMEOUT each rank dumps its stacks (faulthandler)
+    under its rank and case and exits, so the case fails with where every rank waited."""
+    monkeypatch.setenv("ALIGNDP_CASE_TIMEOUT", "4")
+    results = run_cases(SELFTEST, ["case_passes", "case_hangs_in_a_barrier_on_rank_0"], 2)
+    assert results["case_passes"] is None, results
+    error = results["case_hangs_in_a_barrier_on_rank_0"]
+    assert "rank 0 ran case case_hangs_in_a_barrier_on_rank_0" in error, error
+    assert "in barrier" in error and "in case_hangs_in_a_barrier_on_rank_0" in error, error

@@ -166,7 +166,7 @@ LIBRARY = [
     (
         "no trainable params",
         lambda ctx: aligndp.parallelize(frozen()),
-        ValueError,
+        RuntimeError,
         "no trainable params",
     ),
     (

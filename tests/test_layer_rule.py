@@ -113,3 +113,21 @@ def test_filter_overrides_and_bad_layers_value():
     assert type(model[0]) is nn.Linear and isinstance(model[1], MXLinear)
     with pytest.raises(ValueError, match="layers must be 'pays' or 'all', got 'some'"):
         convert_to_mxfp8(nn.Sequential(nn.Linear(64, 64)), layers="some")
+
+
+def test_the_plan_line_names_each_group_of_kept_layers_with_its_own_reason():
+    """Issue 42, planted bug: the train/layout plan line gives each group of kept layers the
+    reason the rule gave it, grouped by reason in first-seen order (hand-made plan)."""
+    plan = [
+        ("blocks.0.qkv", ""),
+        ("blocks.0.proj", "too small"),
+        ("blocks.1.qkv", ""),
+        ("blocks.1.proj", "too small"),
+        ("head", "the last Linear"),
+        ("tied", "shares its weight"),
+    ]
+    line = layer_rule.describe_plan("fp8", plan)
+    assert line == (
+        "wgrad fp8: converts 2 of 6 Linear layers (blocks.*.qkv); keeps blocks.*.proj: too "
+        "small; head: the last Linear; tied: shares its weight"
+    ), line

@@ -87,6 +87,9 @@ READS = {
     "EMA with torch._foreach_*": ema,
     "evaluation through another module": lambda m, s: {"logits": SharedWeightsEval(m)(batch(0)[0])},
     "one weight": lambda m, s: {"head.weight": m.head.weight.sum()},
+    "p as a keyword: torch.add(x, other=p)": each(
+        lambda p: torch.add(torch.zeros(p.shape), other=p)
+    ),
 }
 
 
@@ -284,6 +287,30 @@ def case_replicated_step_sees_plain_params_and_gives_the_class_back(rank, ws):
         assert p.data_ptr() == ptr, f"{n}: p.data = new inside the step rebound its storage"
         # what the quantised-weight caches key on ([Note: weights once per step])
         assert p._version >= version + STEPS, f"{n}: p.data = new left _version {p._version}"
+
+
+@case(2)
+def case_the_first_module_starts_while_later_gathers_are_in_flight(rank, ws):
+    """Issue 42, planted bug: a forward through the wrapper keeps the overlap: the first
+    module (the embedding) starts while the later buckets' gathers are still in flight, each
+    module waiting for its own; none is left in flight after the forward."""
+    for mode in ("zero1", "muon zero1"):
+        model, opt = wrap(make_net(), mode, overlap_param_gather=True, collectives=LateGathers.name)
+        seen: list[int] = []
+
+        def note(*_, seen=seen, gather=opt.gather) -> None:
+            seen.append(gather.in_flight)
+
+        model.module.emb.register_forward_pre_hook(note)
+        with newton_schulz_fp32(mode):
+            for step in range(2):
+                backward_on(model, step, rank, ws)
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                model(batch(0)[0])
+        assert len(opt.gather.order) > 1 and opt.gather.in_flight == 0, mode
+        assert seen[1] >= len(opt.gather.order) - 1, (mode, seen, len(opt.gather.order))
 
 
 make_tests(globals())

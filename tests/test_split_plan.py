@@ -147,3 +147,36 @@ def test_splits_partition_columns_and_never_share_a_rank(mats, dp, data):
         for r, c in zip(split.ranks, split.costs):
             loads[r] += c
     assert max(loads) <= max(before) * (1 + 1e-12)  # splitting never makes the slowest slower
+
+
+def _least_max_work(m: int, widths: list[int]) -> int:
+    """Brute force: the least possible ``max_j 2·n_j + r_j`` over every split of ``m`` rows."""
+    best = None
+
+    def rows_from(j: int, left: int, worst: int) -> None:
+        nonlocal best
+        if j == len(widths) - 1:
+            worst = max(worst, 2 * widths[j] + left)
+            best = worst if best is None else min(best, worst)
+            return
+        for r in range(left + 1):
+            rows_from(j + 1, left - r, max(worst, 2 * widths[j] + r))
+
+    rows_from(0, m, 0)
+    return best
+
+
+def test_leftover_rows_go_where_they_keep_the_largest_part_smallest():
+    """Issue 42, planted bug: the rows left after rounding go to the parts rounded down most,
+    so the largest part's work ``2·n_j + r_j`` is the least possible (brute force over every
+    row split, small shapes); hand-worked: 6x6 in 5 parts has widths 2,1,1,1,1 and rows
+    0,2,2,1,1 (largest work 4; the other way round gives 5)."""
+    cols, rows = split_bounds((6, 6), 5, MUON_SPLIT)
+    assert cols == (0, 2, 3, 4, 5, 6) and rows == (0, 0, 2, 4, 5, 6), (cols, rows)
+    for a in range(2, 11):
+        for b in range(2, 11):
+            for k in range(2, 6):
+                cols, rows = split_bounds((a, b), k, MUON_SPLIT)
+                widths = [cols[j + 1] - cols[j] for j in range(k)]
+                work = max(2 * w + rows[j + 1] - rows[j] for j, w in enumerate(widths))
+                assert work == _least_max_work(min(a, b), widths), (a, b, k, rows)

@@ -70,6 +70,9 @@ def one_rank(tmp_path_factory):
 
 
 def test_two_ranks_loss_falls_and_outputs_parse(two_ranks):
+    """torchtitan's integration flavours "default" and "DDP" (tests/integration_tests/
+    features.py: the debug model trains under data parallelism and logs; here ``aligndp train
+    --nproc 2``, replicated): the loss falls, metrics, summary and pictures parse."""
     records = read_metrics(two_ranks / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in records)
@@ -88,7 +91,8 @@ def test_two_ranks_loss_falls_and_outputs_parse(two_ranks):
 
 
 def test_one_rank_and_two_ranks_see_the_same_loss_curve(one_rank, two_ranks):
-    """Same global batch: 2 ranks x 2 micro-batches of 2 rows, or 1 process with all 8 rows.
+    """Same global batch: 2 ranks x 2 micro-batches of 2 rows, or 1 process with all 8 rows
+    (torchtitan's "DDP" flavour, held to one process's losses).
 
     The reduced gradient is the mean over the same 8 rows either way, so the losses agree up to
     fp32 summation order."""
@@ -102,7 +106,9 @@ def test_one_rank_and_two_ranks_see_the_same_loss_curve(one_rank, two_ranks):
 
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
-    """Killed at step 13 with its last checkpoint at step 10, the run resumes at step 10 and
+    """torchtitan's "Checkpoint Integration Test - Save Load Full Checkpoint" (train with
+    checkpoints, then run again from the last one): killed at step 13 with its last
+    checkpoint at step 10, the run resumes at step 10 and
     logs the losses of the uninterrupted run: identical at the same dp size, and equal to fp32
     summation order when resumed on 1 rank (the checkpoint is resharded)."""
     assert sorted(os.listdir(two_ranks / "checkpoints")) == [
@@ -126,7 +132,8 @@ def test_resume_continues_with_the_same_losses(two_ranks, tmp_path, nproc):
 
 
 def test_resume_on_a_replicated_mesh(two_ranks, tmp_path, capfd):
-    """The flat 2-rank run resumes on 4 ranks as 2 replicas x 2 shards with zero1 (the
+    """torchtitan's "HSDP" flavour with its checkpoint flavour: the flat 2-rank run resumes on
+    4 ranks as 2 replicas x 2 shards with zero1 (the
     checkpoint resharded onto a mesh): the losses of the uninterrupted run up to fp32
     summation order."""
     interrupted_copy(two_ranks, tmp_path, checkpoint_step=10, last_logged_step=13)

@@ -44,6 +44,18 @@ def check_parallelize_inputs(model: object, optimizer: object) -> None:
     if not isinstance(model, nn.Module):
         hint = " (the model, not one of its tensors)" if isinstance(model, torch.Tensor) else ""
         raise TypeError(f"aligndp.parallelize wraps an nn.Module{hint}, got {_describe(model)}")
+    for name, m in model.named_modules():  # the layers torch gives sparse gradients
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(  # ZeroRedundancyOptimizer's type for sparse params
+                f"{name}.weight gets sparse gradients ({type(m).__name__}(sparse=True)); aligndp "
+                "reduces gradients in dense flat buffers in every sharding: build it with "
+                "sparse=False"
+            )
+    if not any(p.requires_grad for p in model.parameters()):  # torch DDP's RuntimeError
+        raise RuntimeError(
+            "the module has no trainable params (requires_grad=True): nothing to "
+            "data-parallelise; run it without a wrapper"
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         settings = {
             k: v

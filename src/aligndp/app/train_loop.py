@@ -160,6 +160,12 @@ class _Job:
         return both[0].item() / self.dp_size, bool(both[1].item() > 0)
 
 
+def replica_mesh(replicas: int, device: torch.device) -> object | None:
+    """--replicas R: the (R, world / R) mesh, row-major, so a replica is consecutive ranks (one
+    node under torchrun); one replica passes no mesh, so the flat path stays as it was."""
+    return aligndp.replica_mesh(replicas, device.type) if replicas > 1 else None
+
+
 def _setup(config: TrainConfig) -> _Job:
     rank, dp_size = dist.get_rank(), dist.get_world_size()
     device = _device(config)
@@ -182,9 +188,7 @@ def _setup(config: TrainConfig) -> _Job:
             convert_to_mxfp8(module, backend=backend, layers=config.wgrad_layers)
         if rank == 0:
             print(describe_plan(config.wgrad, plan), flush=True)
-    # --replicas: a (R, world / R) mesh, row-major, so a replica is consecutive ranks (one node
-    # under torchrun); one replica passes no mesh, so the flat path stays as it was
-    mesh = aligndp.replica_mesh(config.replicas, device.type) if config.replicas > 1 else None
+    mesh = replica_mesh(config.replicas, device)
     model, optimizer = aligndp.parallelize(
         module,
         optimizer=config.optimizer,

@@ -90,9 +90,12 @@ def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> boo
     How it is decided: a probe. The optimizer steps a 4x6 tensor three times, and separately
     two flat pieces of it cut at element 7 (how ZeRO-1 cuts params) with the same gradients;
     elementwise optimizers give the same values (1e-6). This refuses per-tensor statistics
-    (Muon, Adafactor's factored moments, LAMB's trust ratio) and closures (LBFGS). Building the
+    (Muon, Adafactor's factored moments, LAMB's trust ratio). Building and stepping the
     optimizer over the whole tensor is the user's call: what torch raises there (a misspelt
-    keyword) is raised as it is, never read as "not elementwise".
+    keyword) is raised as it is. A ``step()`` that fails without arguments (a keyword that
+    ``opt.step(**kwargs)`` passes on, as ZeroRedundancyOptimizer takes) is probed as the torch
+    optimizer it derives from (AdamW, Adam, SGD: the subclass adds keywords, not maths), or else
+    is a TypeError saying so (LBFGS's closure), never read as "not elementwise".
     """
     options = _probe_options(options)
     gen = torch.Generator().manual_seed(0)
@@ -101,17 +104,35 @@ def is_elementwise(opt_class: type[torch.optim.Optimizer], options: dict) -> boo
     whole = start.clone().requires_grad_(True)
     opt_whole = opt_class([whole], **options)  # the user's options: their errors propagate
     try:
+        whole.grad = grads[0].clone()
+        opt_whole.step()
+    except NotImplementedError:  # no step of its own: nothing elementwise about it
+        return False
+    except Exception as e:  # a step() that needs a closure (LBFGS) or keywords
+        parent = next(
+            (c for c in opt_class.__mro__[1:] if c in ELEMENTWISE_OPTIMIZERS.values()), None
+        )
+        if parent is not None:  # a torch optimizer's maths with step keywords added: probe that
+            return is_elementwise(parent, options)
+        name = getattr(opt_class, "__name__", repr(opt_class))
+        raise TypeError(
+            f"{name}.step() raised {type(e).__name__}: {str(e)[:120]!r} when aligndp stepped a "
+            "4x6 tensor without arguments to check that it is elementwise (sharding='zero1' "
+            "steps slices); make its step() run without arguments, or use sharding='none'"
+        ) from e
+    try:
         pieces = [
             start.reshape(-1)[:7].clone().requires_grad_(True),
             start.reshape(-1)[7:].clone().requires_grad_(True),
         ]
         opt_pieces = opt_class(pieces, **options)
-        for g in grads:
-            whole.grad = g.clone()
+        for i, g in enumerate(grads):
+            if i:
+                whole.grad = g.clone()
+                opt_whole.step()
             pieces[0].grad, pieces[1].grad = g.reshape(-1)[:7].clone(), g.reshape(-1)[7:].clone()
-            opt_whole.step()
             opt_pieces.step()
-    except Exception:  # stepping flat pieces (Muon: 2-D only) or without a closure (LBFGS)
+    except Exception:  # stepping flat pieces (Muon: 2-D only)
         return False
     return torch.allclose(
         whole.detach().reshape(-1), torch.cat([p.detach() for p in pieces]), rtol=1e-6, atol=1e-7

@@ -85,10 +85,11 @@ class OptimizerPart(abc.ABC):
         ``GradScaler`` refuses clearly)."""
 
     @abc.abstractmethod
-    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+    def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
         """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
         bucket calls ``bucket_stepped(ref)`` after each of its buckets, so that
-        bucket's all-gather overlaps the next one's step; the composite gathers the rest."""
+        bucket's all-gather overlaps the next one's step; the composite gathers the rest.
+        ``step_kwargs``: the user's ``opt.step(**kwargs)``, for each inner ``step()``."""
 
     def gather_sources(self) -> Sources:
         """id(param) -> the master a coded param gather encodes for this rank's piece of it
@@ -149,13 +150,13 @@ class ReplicatedPart(OptimizerPart):
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
 
-    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+    def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
         # replicated buffers hold no params to gather
         if self._plain:  # [Note: plain class while stepping] in aligndp/runtime/wrapped_param.py
             with as_parameters(self.params):
-                self.inner[0].step()
+                self.inner[0].step(**step_kwargs)
         else:
-            self.inner[0].step()
+            self.inner[0].step(**step_kwargs)
 
     def owned_range(self, name: str) -> tuple[int, int]:
         return 0, self.params[self.names.index(name)].numel()
@@ -278,14 +279,19 @@ class CompositeOptimizer(DataParallelOptimizer):
         return self._clip(max_norm, self.model.finish_grad_sync())
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
+        """torch's ``step``: ``closure`` (forward and backward, returning the loss) runs first,
+        with grad, and its loss is returned; ``kwargs`` go to every inner optimizer's ``step``
+        (as ``ZeroRedundancyOptimizer.step`` passes them on)."""
+        loss = None
         if closure is not None:
-            raise ValueError("closures are not supported: run forward/backward before step()")
+            with torch.enable_grad():
+                loss = closure()
         grads = self.model.finish_grad_sync()  # the step's one call: the reduced grads' view
         if self.model.nonfinite is not None:
             if self.model.config.on_nonfinite == "skip":
                 self.skipped_steps += 1
-                return None
+                return loss
             raise FloatingPointError(self.model.nonfinite)
         if self.max_grad_norm is not None:
             self._clip(self.max_grad_norm, grads)
@@ -293,10 +299,12 @@ class CompositeOptimizer(DataParallelOptimizer):
             self._prepare(grads)
         sources = self._sources()
         for part in self.parts:
-            part.step_owned(functools.partial(self.gather.launch_stepped, sources=sources))
+            part.step_owned(
+                functools.partial(self.gather.launch_stepped, sources=sources), **kwargs
+            )
         self.model.data_touched.clear()
         self.gather.launch_rest(sources)
-        return None
+        return loss
 
     # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
     def _part_of(self, name: str) -> OptimizerPart:

@@ -11,8 +11,9 @@ each optimizer part cuts by the params it steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+import torch
 import torch.nn as nn
 
 __all__ = ["ParamGroup", "resolve_param_groups", "ParamGroupsArg"]
@@ -50,6 +51,14 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
                 members[key] = []
             members[key].append(n)
         return [ParamGroup(tuple(members[k]), dict(k)) for k in keys]
+    if isinstance(param_groups, torch.Tensor) or not isinstance(param_groups, Iterable):
+        raise TypeError(  # torch.optim's type for params that are not an iterable of them
+            "param_groups takes an iterable of params (or names) or of dicts with a 'params' "
+            f"key, as torch's optimizers take, or a callable; got {type(param_groups).__name__}"
+        )
+    param_groups = list(param_groups)
+    if param_groups and not any(isinstance(g, dict) for g in param_groups):
+        param_groups = [{"params": param_groups}]  # torch: an iterable of params is one group
     name_of = {id(p): n for n, p in named}
     trainable = set(name_of.values())
     all_names = {n for n, _ in model.named_parameters()}
@@ -65,6 +74,11 @@ def resolve_param_groups(model: nn.Module, param_groups: ParamGroupsArg) -> list
         params = [params] if isinstance(params, (str, nn.Parameter)) else list(params)
         names = []
         for p in params:
+            if not isinstance(p, (str, torch.Tensor)):  # torch.optim's TypeError, aligndp's words
+                raise TypeError(
+                    f"param group {i} holds {p!r:.40} ({type(p).__name__}): optimizers can only "
+                    "optimize Tensors; list the module's params (or their names)"
+                )
             n = p if isinstance(p, str) else name_of.get(id(p))
             if n is None or n not in trainable:
                 what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"

@@ -277,11 +277,11 @@ class ShardedPart(OptimizerPart):
         torch.nn.utils.clip_grads_with_norm_([p.master for p in self.masters], max_norm, total_norm)
 
     @torch.no_grad()
-    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+    def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
         """Inner optimizer step on the masters, cast back into ``param_data``, drop the grads
         (one step over every bucket: the composite gathers them all afterwards)."""
         assert self._prepared is not None, "the composite prepares the grads before the step"
-        self.inner[0].step()
+        self.inner[0].step(**step_kwargs)
         low = [p for p in self.masters if p.cast_back and not p.coded]
         if low:
             torch._foreach_copy_(

@@ -288,7 +288,7 @@ class WholeMatrixPart(OptimizerPart):
             [self.targets[i] for i in self.owned], max_norm, total_norm
         )
 
-    def _step(self, members: list[int], grads: dict[int, torch.Tensor]) -> None:
+    def _step(self, members: list[int], grads: dict[int, torch.Tensor], **step_kwargs) -> None:
         """Step ``members`` that have a gradient (the shared ones with their groups, the rest
         by the torch optimizer); cast their masters back into ``param_data``."""
         reduced = self._prepared  # every rank agrees on which params have a gradient
@@ -299,7 +299,7 @@ class WholeMatrixPart(OptimizerPart):
         for i in mine:
             self.targets[i].grad = grads[i]
         if mine:
-            self.inner[0].step()
+            self.inner[0].step(**step_kwargs)
         for i in (i for i in members if i in grads):
             self.targets[i].grad = None
             if self.targets[i] is not self.params[i] and id(self.params[i]) not in self.coded:
@@ -320,7 +320,7 @@ class WholeMatrixPart(OptimizerPart):
         target.grad = None
 
     @torch.no_grad()
-    def step_owned(self, bucket_stepped: BucketStepped) -> None:
+    def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
         """2. step owned: the torch optimizer steps exactly the params that have a ``.grad``, so
         each bucket's grads are handed over in turn (or all at once without
         ``step_per_bucket``); masters are cast back. 3. all-gather: ``bucket_stepped(ref)`` starts
@@ -329,10 +329,10 @@ class WholeMatrixPart(OptimizerPart):
         for i in grads:
             self.targets[i].grad = None
         if not self.spec.step_per_bucket:  # every index: a helper of a split matrix owns none
-            self._step([i for _, members in self._buckets for i in members], grads)
+            self._step([i for _, members in self._buckets for i in members], grads, **step_kwargs)
         for ref, members in self._buckets:
             if self.spec.step_per_bucket:
-                self._step(members, grads)
+                self._step(members, grads, **step_kwargs)
             bucket_stepped(ref)
         for i, grad in (self._visible or {}).items():
             self.params[i].grad = grad  # as the DataParallel published it ([Note: step states])

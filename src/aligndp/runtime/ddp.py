@@ -50,8 +50,7 @@ gradient in the step shows ``param.grad`` None again after the reduction, as in 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -77,9 +76,10 @@ from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.forward_hooks import after_forward, before_forward
 from aligndp.runtime.gather_codec import GatherCodec
 from aligndp.runtime.grad_sync import GradReducer
-from aligndp.runtime.join import Join
+from aligndp.runtime.join import Join, joining
 from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
+from aligndp.runtime.pickling import reduce_wrapper
 from aligndp.runtime.step_state import (
     BucketRef,
     ParamIndex,
@@ -145,10 +145,10 @@ class DataParallel(nn.Module):
             self._collectives = MeshCollectives(self._collectives, groups)
         self.dp_size, self.rank = self._collectives.dp_size, self._collectives.rank
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(
+        if not named:  # torch DDP's RuntimeError
+            raise RuntimeError(
                 "the module has no trainable params (requires_grad=True): "
-                "nothing to data-parallelise"
+                "nothing to data-parallelise; run it without a wrapper"
             )
         devices = {p.device for _, p in named}
         if len(devices) > 1:
@@ -188,6 +188,7 @@ class DataParallel(nn.Module):
             )
         elif modes:
             raise ValueError("give modes inside the plan request, not next to it")
+        self.plan_request = plan  # what torch.save(model) keeps (runtime/pickling.py)
         layouts = plan_buffers(
             plan.bind(specs, dp_size=self.dp_size, requirements=self.requirements)
         )
@@ -245,8 +246,12 @@ class DataParallel(nn.Module):
         self.reducer.param_gather = self.param_gather  # the sink's param_writes() counts its writes
         """Gradient hooks, step states and the agreement ([Note: step states])."""
         collecting = self.reducer.collecting  # [Note: one rank collects at the end]: no hooks
-        hooks = [] if collecting else zip(self.params, self.reducer.hooks)
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p, hook in hooks]
+        hooks = [] if collecting else zip(self.params, self.reducer.hooks, self.reducer.pre_hooks)
+        self._hooks = [
+            h
+            for p, hook, pre in hooks
+            for h in (p.register_hook(pre), p.register_post_accumulate_grad_hook(hook))
+        ]
         # state_dict() waits for gathers, layers write to the reducer: [Note: dropped wrappers]
         attach_to_module(self, self._hooks, self.reducer, self.param_gather, [m for _, m in fused])
         self._in_call = False  # between our forward pre-hook and hook ([Note: compiled forward])
@@ -366,17 +371,15 @@ class DataParallel(nn.Module):
             return out
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def join(self) -> Iterator[None]:
-        """Uneven inputs: train inside ``with model.join():``. When one rank runs out of batches
-        while others still train, every rank raises the same ``ValueError`` at its next forward
-        (one tiny all-reduce per forward while inside) instead of hanging."""
-        self._joined = joined = Join(self)
-        try:
-            yield
-        finally:
-            self._joined = None
-        joined.leave()  # only after a normal exit: after an error the peers are out of step
+    def join(
+        self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False
+    ):
+        """Uneven inputs (torch DDP's keywords): a rank out of batches makes every rank raise the
+        same ``RuntimeError`` at its next forward instead of hanging (runtime/join.py)."""
+        return joining(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def __reduce_ex__(self, protocol):  # torch.save(model): runtime/pickling.py
+        return reduce_wrapper(self)
 
     def register_comm_hook(self, state: object, hook) -> None:
         """torch DDP's ``register_comm_hook``, once, for torch's own compression hooks with

@@ -25,10 +25,9 @@ kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never ar
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -96,6 +95,7 @@ class GradReducer(Reduction):
         self._used = [False] * n  # had a gradient on this rank since the reduction
         self._published: set[int] = set()  # param.grad set by us ([Note: step states])
         self._fired = [0] * n  # [Note: bucket readiness]: arrivals this round
+        self._undefined = [False] * n  # [Note: undefined gradients]
         self._expected = [-1] * n  # arrivals in the last synchronised round (-1: none yet)
         self.state = StepState.IDLE
         self.epoch = 0
@@ -120,16 +120,17 @@ class GradReducer(Reduction):
         self.last_round: RoundReport | None = None
         self.landing = Landing(self, fused=bool(fused))  # grad_landing.py
         bound = [self._bind(k) for k in range(n)]
-        self.hooks = [hook for hook, _ in bound]
-        """Each param's post-accumulate-grad hook, in registration order; the model registers
-        them ([Note: one closure per param])."""
-        self._arrive = [arrive for _, arrive in bound]
+        self.hooks = [hook for hook, _, _ in bound]  # the model registers them, and pre_hooks
+        self.pre_hooks = [pre for _, _, pre in bound]  # [Note: undefined gradients]
+        self._arrive = [arrive for _, arrive, _ in bound]
 
     def _bind(self, k: int):
-        """(hook, arrive) of param ``k`` ([Note: one closure per param])."""
+        """(hook, arrive, pre) of param ``k`` ([Note: one closure per param]; ``pre``: [Note:
+        undefined gradients] in DESIGN.md)."""
         # on the params: ours only weakly ([Note: dropped wrappers] in wrapped_param.py)
         me = weakref.ref(self)
         stale, used, fired, expected = self._stale, self._used, self._fired, self._expected
+        undefined = self._undefined
         dtype, shape = self._views[k].dtype, self._views[k].shape
 
         def arrive(r: GradReducer, param: nn.Parameter) -> None:
@@ -151,7 +152,14 @@ class GradReducer(Reduction):
                     r._launch_ready()
                     r._launched_in_backward = r._next_launch
 
+        def pre(grad: torch.Tensor | None) -> None:
+            if grad is None:
+                undefined[k] = True
+
         def hook(param: nn.Parameter) -> None:
+            if undefined[k]:  # [Note: undefined gradients]: nothing arrived
+                undefined[k] = False
+                return
             r = me()
             if r is None:
                 return
@@ -176,7 +184,7 @@ class GradReducer(Reduction):
             elif r._absorb(param, k):
                 arrive(r, param)
 
-        return hook, arrive
+        return hook, arrive, pre
 
     @property
     def collecting(self) -> bool:  # [Note: one rank collects at the end] in grad_landing.py
@@ -232,6 +240,11 @@ class GradReducer(Reduction):
         grad = param.grad
         if grad is None:
             return False
+        if grad.layout is not _STRIDED:  # as parallelize() refuses a sparse embedding
+            raise ValueError(
+                f"{self.param_names[param]} got a {grad.layout} gradient; aligndp reduces dense "
+                "flat buffers: make its layer give dense gradients (nn.Embedding(sparse=False))"
+            )
         view = self._views[k]
         if grad is view and k not in self._published:  # accumulated in place: nothing to do
             self._reopen()
@@ -349,16 +362,6 @@ class GradReducer(Reduction):
         self._nonfinite = None
         self._unwaited = set()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (micro-batches); the next backward outside syncs them."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
     def zero_grad_buffer(self) -> None:
         """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
         every ``param.grad`` is dropped."""
@@ -373,14 +376,6 @@ class GradReducer(Reduction):
         self.nonfinite = None
         self.epoch += 1
         self.state = StepState.IDLE
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Same as ``opt.zero_grad()``. ``set_to_none=False`` keeps zero gradients visible, so
-        params unused in the next step are still stepped (with zero gradient), as in torch."""
-        self.zero_grad_buffer()
-        if not set_to_none:
-            self._used[:] = [True] * len(self.params)
-            self._begin_accumulating()
 
     def reduced(self) -> ReducedGrads:
         """The read-only view of the current gradients ([Note: reduced grads view]): the last

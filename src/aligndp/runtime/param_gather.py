@@ -109,7 +109,7 @@ class ParamGather:
             mine = {where[id(p)].ref for p in here if id(p) in where} & self._groups.keys()
             groups = [self._groups[ref] for ref in sorted(mine)]
             if groups:
-                self.hooks.append(m.register_forward_pre_hook(_waits_for(groups)))
+                self.hooks.append(m.register_forward_pre_hook(_WaitsFor(groups)))
 
     def launch_stepped(self, ref: BucketRef, sources: Sources = _NO_SOURCES) -> None:
         """Start the gather of a bucket the optimizer has just stepped (layer-wise Muon steps
@@ -169,11 +169,17 @@ class ParamGather:
         self.hooks.clear()
 
 
-def _waits_for(groups: list[BucketGroup]):
-    """A forward pre-hook that waits for ``groups``' gathers (the module's own buckets)."""
+class _WaitsFor:
+    """A forward pre-hook that waits for ``groups``' gathers (the module's own buckets); a
+    class, so that ``torch.save`` of the module pickles it (as a hook that waits for nothing:
+    the loaded module's wrapper installs its own)."""
 
-    def pre_hook(_module, _args) -> None:
-        for g in groups:
+    def __init__(self, groups: list[BucketGroup]) -> None:
+        self.groups = groups
+
+    def __call__(self, _module, _args) -> None:
+        for g in self.groups:
             g.wait_gather()
 
-    return pre_hook
+    def __reduce__(self):
+        return _WaitsFor, ([],)

@@ -9,6 +9,9 @@ state, hooks and transitions); each bucket's collective is its
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from aligndp.runtime.bucket_group import BucketGroup
@@ -36,6 +39,24 @@ class Reduction:
         gathers): quantised-weight caches key on it ([Note: weights once per step] in
         aligndp/lowp/linear.py)."""
         return 0 if self.param_gather is None else self.param_gather.writes
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (micro-batches); the next backward outside syncs them."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as ``opt.zero_grad()``. ``set_to_none=False`` keeps zero gradients visible, so
+        params unused in the next step are still stepped (with zero gradient), as in torch."""
+        self.zero_grad_buffer()
+        if not set_to_none:
+            self._used[:] = [True] * len(self.params)
+            self._begin_accumulating()
 
     # ---- readiness and collectives ----
     def _launch_ready(self) -> None:
@@ -93,6 +114,10 @@ class Reduction:
         if self.collecting and self.state is not StepState.REDUCED:
             # [Note: one rank collects at the end] in grad_landing.py, maybe adopting
             self.landing.collect(self, adopt=self.landing.adopting)
+        if self.state is StepState.IDLE:  # [Note: undefined gradients]: armed views drop
+            for k in [k for k, armed in enumerate(self._armed) if armed]:
+                self.params[k].grad = None
+                self._armed[k] = False
         if self.state is not StepState.ACCUMULATING:
             return self.reduced()
         self._raise_pending_problems()

@@ -118,7 +118,7 @@ def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) 
     unbound, and params no newer wrapper owns given their ``nn.Parameter`` class back, so it
     trains on in plain torch.
     """
-    hooks.append(owner.module.register_state_dict_pre_hook(lambda *_: gather.wait_all()))
+    hooks.append(owner.module.register_state_dict_pre_hook(_WaitAll(gather)))
     proxy = weakref.proxy(sink)
     for m in layers:
         m.bind_grad_sink(proxy)
@@ -132,6 +132,21 @@ def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) 
         proxy,
     )
     release.atexit = False  # at exit there is nothing to hand back, maybe no group to wait on
+
+
+class _WaitAll:
+    """A state-dict pre-hook that waits for the param gathers; a module-level class, so that
+    ``torch.save(model)`` can pickle the module's hooks."""
+
+    def __init__(self, gather) -> None:
+        self.gather = gather
+
+    def __call__(self, *_) -> None:
+        if self.gather is not None:
+            self.gather.wait_all()
+
+    def __reduce__(self):  # a loaded module's hook waits for nothing: its gather is gone
+        return _WaitAll, (None,)
 
 
 def _release(wait_all, params: list, handle_lists: list, layers: list, sink: object) -> None:
