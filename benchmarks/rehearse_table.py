@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -63,7 +64,15 @@ def table_rows(args) -> list[dict]:
                 steps=args.steps, ns_repeats=3, **kw,
             )  # fmt: skip
             t0 = time.perf_counter()
-            result = rehearse(options)
+            try:
+                result = rehearse(options)
+            except torch.OutOfMemoryError as e:  # reported as a row; the table goes on
+                row = {"table": "scale", "preset": args.preset, "dp": dp, "job": name}
+                rows.append({**row, "error": str(e).splitlines()[0]})
+                log(args.out, rows[-1])
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
             ran = [r for r in result.ranks if r.ran]
             first = ran[0] if ran else result.ranks[0]
             slow = max(result.ranks, key=lambda r: r.predicted.get("overlap_s", 0))
@@ -223,6 +232,9 @@ def markdown(scale, big, d1, gloo, args) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in scale:
+        if "error" in r:
+            lines.append(f"| {r['dp']} | {r['job']} | error: {r['error']} |" + " |" * 10)
+            continue
         s, p = r["seconds"], r["predicted"]
 
         def ms(k: str, s: dict = s) -> str:

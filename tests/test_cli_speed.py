@@ -68,7 +68,7 @@ def test_parsers_import_no_torch():
             ["trian"],
             2,
             "aligndp: error: argument COMMAND: invalid choice: 'trian' (choose from 'train', "
-            "'layout'); did you mean train? (see aligndp --help)",
+            "'layout', 'rehearse'); did you mean train? (see aligndp --help)",
         ),
     ],
 )

@@ -107,6 +107,8 @@ class _Recorder:
         if caller is None:
             return
         src = caller.f_code
+        if src.co_name == "<module>" and caller is not frame.f_back:
+            return  # the import machinery (binding a submodule on its package), not the module
         edge = (f"{src.co_filename}:{src.co_qualname}", f"{code.co_filename}:{code.co_qualname}")
         here = _package(src.co_filename)
         if {here, pkg} == {"optim", "runtime"}:

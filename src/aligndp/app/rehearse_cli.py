@@ -15,7 +15,6 @@ imports no torch until the command runs, so ``aligndp --help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 
 __all__ = ["add_arguments", "run", "options_from_args"]
 
@@ -130,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
 
     result = rehearse(options_from_args(args))
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1, default=str))
+        from aligndp.app.train_report import dumps
+
+        print(dumps(result.to_dict(), indent=1, default=str))
     else:
         print(table(result))
     if args.png:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 
 import torch
@@ -183,7 +184,8 @@ def measure_step(options: RehearsalOptions) -> StepMeasurement:
         if (options.device == "cuda")
         else torch.device("cpu")
     )
-    if device.type == "cuda":
+    if device.type == "cuda":  # an earlier rehearsal's model, freed (its hooks make cycles)
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     probe = StepProbe()
@@ -237,7 +239,7 @@ def measure_step(options: RehearsalOptions) -> StepMeasurement:
         reserved = torch.cuda.max_memory_reserved(device)
     else:
         allocated = reserved = probe.peak_bytes
-    return StepMeasurement(
+    measured = StepMeasurement(
         seconds=totals,
         collectives=list(probe.collectives),
         peak_allocated=allocated,
@@ -245,3 +247,8 @@ def measure_step(options: RehearsalOptions) -> StepMeasurement:
         probe_peak=probe.peak_bytes,
         layouts=ddp.layouts,
     )
+    del model, ddp, opt, step_fn, loss, x, y
+    gc.collect()  # the next rehearsal in this process starts from an empty device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return measured

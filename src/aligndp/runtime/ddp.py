@@ -92,7 +92,6 @@ from aligndp.runtime.wrapped_param import attach_to_module, binding, claim_param
 
 __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACTIONS"]
 
-
 _DEFAULT_CONFIG = DDPConfig()
 
 
