@@ -10,7 +10,7 @@ import typing
 
 from aligndp.app.train_config import Optimizer, Sharding
 
-__all__ = ["RENAMED", "add_arguments"]
+__all__ = ["RENAMED", "Renamed", "add_arguments"]
 
 RENAMED = {
     "--dp": "--nproc N (the rank count, as aligndp train counts it)",
@@ -20,8 +20,9 @@ RENAMED = {
 """Old ``aligndp layout`` flags and what to write instead."""
 
 
-class _Renamed(argparse.Action):
-    """A flag that was renamed: using it is a one-line error naming the new one."""
+class Renamed(argparse.Action):
+    """A flag that was renamed (a key of :data:`RENAMED`): using it is a one-line error naming
+    the new one; ``aligndp rehearse`` refuses ``--dp`` with it too."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
@@ -109,4 +110,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--png", metavar="FILE", help="also draw the layouts into this PNG")
     for old in RENAMED:
-        parser.add_argument(old, action=_Renamed)
+        parser.add_argument(old, action=Renamed)

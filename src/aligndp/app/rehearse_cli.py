@@ -16,17 +16,9 @@ from __future__ import annotations
 
 import argparse
 
+from aligndp.app.layout_args import Renamed
+
 __all__ = ["add_arguments", "run", "options_from_args"]
-
-
-class _Renamed(argparse.Action):
-    """``--dp``: the rank count is ``--nproc`` in every aligndp command; one line names it."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now --nproc N (the rank count, as aligndp train)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks of the rehearsed job, all replicas together, as aligndp train --nproc "
         "(default 8)",
     )
-    parser.add_argument("--dp", action=_Renamed)
+    parser.add_argument("--dp", action=Renamed)  # the rank count is --nproc everywhere
     parser.add_argument(
         "--replicas",
         type=int,
