@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_README_LINES = 200
 MAIN_JOB = "pip install torch==2.13.0 && pip install -e . && aligndp train"
-SESSION = re.compile(r"session ?[0-9]", re.IGNORECASE)
+SESSION = re.compile(r"sessions?[ _-]?[0-9]", re.IGNORECASE)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
