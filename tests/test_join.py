@@ -41,7 +41,9 @@ BATCHES = (3, 1, 2)
 
 
 def _group() -> dist.ProcessGroup:
-    return dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20))
+    return dist.new_group(
+        list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=20)
+    )
 
 
 def _train(model, opt, rank: int, ws: int, batches: int, *, join) -> None:
@@ -133,6 +135,21 @@ def case_buffers_come_from_an_active_rank(rank, ws):
             assert torch.allclose(ours.float(), theirs.float()), (mode, name, ours, theirs)
 
 
+@case(2, 3)
+def case_torch_optimizer_params_come_from_the_last_joiner(rank, ws):
+    """A bare ``DataParallel`` stepped by a torch optimizer (nothing steps on a joined rank, as
+    with torch DDP): the join's end broadcasts params and buffers from the last joiner, so
+    every rank ends with torch DDP + Join's params."""
+    model = aligndp.DataParallel(
+        seeded(Net), process_group=_group(), config=aligndp.DDPConfig(bucket_numel=150)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _train(model, opt, rank, ws, BATCHES[rank], join=model.join())
+    assert_replicas_identical(model.module, "torch AdamW over DataParallel")
+    what = "torch AdamW over DataParallel under join"
+    assert_params_match(model.module, _reference("none", rank, ws), what, REL)
+
+
 @case(2)
 def case_no_sync_micro_batches_inside_join(rank, ws):
     """Micro-batches under ``no_sync`` then one synchronised backward per step: the joined rank
@@ -172,7 +189,12 @@ def case_throw_on_early_termination_raises_on_every_rank(rank, ws):
         model, opt = wrap(seeded(Net), mode, process_group=group)
         with pytest.raises(RuntimeError, match="exhausted"):
             _train(
-                model, opt, rank, ws, BATCHES[rank], join=model.join(throw_on_early_termination=True)
+                model,
+                opt,
+                rank,
+                ws,
+                BATCHES[rank],
+                join=model.join(throw_on_early_termination=True),
             )
         dist.barrier(group=group)
 
@@ -233,9 +255,12 @@ def case_max_grad_norm_clips_on_every_rank_inside_join(rank, ws):
         assert_params_match(model.module, ref.module, f"{mode} max_grad_norm under join", REL)
 
 
-@case(2, xfail="torch's ZeroRedundancyOptimizer under Join steps a joined rank's shard on "
-      "the gradients it no longer has (DDP's shadow all-reduce discards its result), so that "
-      "shard stops training; aligndp's zero1 trains it as DDP + AdamW does")
+@case(
+    2,
+    xfail="torch's ZeroRedundancyOptimizer under Join steps a joined rank's shard on "
+    "the gradients it no longer has (DDP's shadow all-reduce discards its result), so that "
+    "shard stops training; aligndp's zero1 trains it as DDP + AdamW does",
+)
 def case_zero1_matches_torch_zero_redundancy_optimizer_under_join(rank, ws):
     """torch DDP + ZeroRedundancyOptimizer under ``Join([ddp, zero])`` against aligndp's zero1."""
     model, opt = wrap(seeded(Net), "zero1", process_group=_group())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.algorithms.join import JoinHook, Joinable
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 __all__ = ["JoinableOptimizer"]
 
@@ -40,7 +40,8 @@ class JoinableOptimizer(Joinable):
         model._join_optimizer = weakref.ref(self)  # steps on a joined rank under model.join()
 
     def join_hook(self, **kwargs) -> JoinHook:
-        return _OptimizerJoinHook(self)
+        Joinable.__init__(self.model)  # a Join left by an error keeps its configs; Join sets
+        return _OptimizerJoinHook(self)  # them anew for its joinables
 
     @property
     def join_device(self) -> torch.device:

@@ -76,7 +76,7 @@ from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.forward_hooks import after_forward, before_forward
 from aligndp.runtime.gather_codec import GatherCodec
 from aligndp.runtime.grad_sync import GradReducer
-from aligndp.runtime.join import JoinableModel, Joinable
+from aligndp.runtime.join import Joinable, JoinableModel
 from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.pickling import reduce_wrapper

@@ -33,7 +33,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from aligndp.runtime.collectives import Collectives, Work
 
@@ -152,9 +152,38 @@ class _ModelJoinHook(JoinHook):
         src = torch.tensor([model.world_rank if is_last_joiner else -1], device=model.device)
         dist.all_reduce(src, op=dist.ReduceOp.MAX, group=model.process_group)
         model.wait_for_params()
-        with torch.no_grad():
-            for t in [*model.module.parameters(), *model.module.buffers()]:
-                dist.broadcast(t.data, src=model.global_rank(int(src.item())), group=model.process_group)
+        tensors = [*model.module.parameters(), *model.module.buffers()]
+        _broadcast(tensors, src=model.global_rank(int(src.item())), group=model.process_group)
+
+
+@torch.no_grad()
+def _broadcast(tensors: list[torch.Tensor], *, src: int, group) -> None:
+    """``src``'s values of ``tensors`` to every rank: one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.data)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        torch._foreach_copy_(
+            same, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in same]), same)]
+        )
+
+
+class _ModelJoin(Join):
+    """torch's ``Join`` of ``model.join()``; leaving by an error also ends the join (torch
+    leaves the joinables' configs enabled then)."""
+
+    def __init__(self, model, **kwargs) -> None:
+        super().__init__([model], **kwargs)
+        self.model = model
+
+    def __exit__(self, type, value, traceback):
+        try:
+            return super().__exit__(type, value, traceback)
+        finally:
+            if type is not None:
+                Joinable.__init__(self.model)
 
 
 class JoinableModel(Joinable):
@@ -166,7 +195,9 @@ class JoinableModel(Joinable):
     _join_shadowed = False
     """The joined rank's last shadowed forward was followed by a synchronised backward."""
 
-    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+    def join(
+        self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False
+    ):
         """torch DDP's ``join``: ``Join([self], ...)`` ([Note: join] in runtime/join.py)."""
         _check_bools(
             divide_by_initial_world_size=divide_by_initial_world_size,
@@ -176,8 +207,8 @@ class JoinableModel(Joinable):
         refusal = join_refusal(self) if enable else None
         if refusal is not None:
             raise RuntimeError(refusal)
-        return Join(
-            [self],
+        return _ModelJoin(
+            self,
             enable=enable,
             throw_on_early_termination=throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
@@ -193,6 +224,9 @@ class JoinableModel(Joinable):
             self._join_scaled = JoinCollectives(self.groups[0].collectives)
             self.groups_collectives(self._join_scaled)
         self._join_shadowed = False
+        opt = self._join_optimizer() if self._join_optimizer is not None else None
+        if opt is not None:  # a Join left by an error keeps its configs; Join sets them anew
+            Joinable.__init__(opt)
         return _ModelJoinHook(self)
 
     @property
