@@ -9,6 +9,7 @@ with a short timeout, so a shadow that leaves the ranks' collectives out of step
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import pytest
@@ -19,6 +20,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import aligndp
+from aligndp.optim.muon import MUON_SPLIT
 from tests._dist import case, make_tests
 from tests._habits_models import (
     LR,
@@ -36,6 +38,8 @@ from tests._habits_models import (
 )
 from tests.models import batch
 
+FORCED = dataclasses.replace(MUON_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
+"""Every matrix split (tests/test_muon.py's FORCED)."""
 BATCHES = (3, 1, 2)
 """Batches per rank: rank 1 runs out first, rank 0 trains longest."""
 
@@ -70,8 +74,10 @@ def _reference(mode: str, rank: int, ws: int, *, divide: bool = True) -> nn.Modu
     return ref.module
 
 
-def _uneven(rank: int, ws: int, mode: str, how: str, *, divide: bool = True) -> None:
-    model, opt = wrap(seeded(Net), mode, process_group=_group())
+def _uneven(rank: int, ws: int, mode: str, how: str, *, divide: bool = True, **kwargs) -> None:
+    model, opt = wrap(seeded(Net), mode, process_group=_group(), **kwargs)
+    if "split" in kwargs:
+        assert any(p.split for layout in model.layouts for p in layout.params), "nothing split"
     if how == "model.join()":
         join = model.join(divide_by_initial_world_size=divide)
     else:
@@ -103,9 +109,11 @@ def case_divide_by_the_active_ranks(rank, ws):
 @case(2, 3)
 def case_layerwise_muon_trains_on(rank, ws):
     """Layer-wise Muon in both shardings: the joined rank steps its matrices on the reduced
-    gradients and runs the split Newton-Schulz collectives with the others."""
+    gradients, and runs the split Newton-Schulz collectives with the others where a matrix's
+    step is shared (every matrix split over as many ranks as it has rows)."""
     for mode in ("muon none", "muon zero1"):
         _uneven(rank, ws, mode, "model.join()")
+    _uneven(rank, ws, "muon zero1", "Join([model, opt])", split=FORCED)
 
 
 @case(2)

@@ -17,7 +17,12 @@ hooks' ``main_hook``, which shadow that iteration's collectives so the others ne
   averages the active ranks' gradients; the joined rank ends REDUCED with the same gradients;
 * the optimizer step: the joined rank steps too (optim/join.py) — a zero1 shard must still
   step and all-gather, the others need its params; the global-norm all-reduce of
-  ``max_grad_norm`` runs as on the others. One step per synchronised backward is assumed.
+  ``max_grad_norm`` runs as on the others.
+
+The shadow assumes torch's loop: each forward with grad outside ``no_sync`` is followed by its
+backward, and each synchronised backward by one ``opt.step()`` before the next forward
+(``no_sync`` micro-batches and forwards without grad may come between two steps, not between
+a backward and its step).
 
 ``divide_by_initial_world_size=False`` divides by the ranks still active (slots ``1 + r``
 summed) instead of the group size: :class:`JoinCollectives` scales each bucket before the
@@ -96,7 +101,7 @@ def _agree(model, syncing: bool, active: bool) -> _JoinStep:
     flags = torch.zeros(1 + model.world_size, dtype=torch.int32, device=model.device)
     flags[0] = int(syncing)
     flags[1 + model.world_rank] = int(active)
-    dist.all_reduce(flags, group=model.process_group)
+    model.collectives.all_reduce_sum(flags)  # [Note: collectives seam]
     values = flags.tolist()
     return _JoinStep(values[0], [r for r, v in enumerate(values[1:]) if v])
 
