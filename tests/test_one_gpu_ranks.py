@@ -204,4 +204,51 @@ def case_a_2d_mesh_on_one_device_matches_one_process(rank, ws):
     dist.barrier()
 
 
+def _uneven_reference(muon: bool, ws: int) -> nn.Module:
+    """One process over the batches of :func:`case_uneven_inputs_under_join_on_one_device`: at
+    each step the ranks still active give their rows' loss / ws (torch's
+    ``divide_by_initial_world_size=True``)."""
+    net = _net(None)
+    named = dict(net.named_parameters())
+    if muon:
+        routing = route_params(net)
+        opts = [
+            torch.optim.Muon(
+                [named[n] for n in routing.whole], lr=LR, adjust_lr_fn="match_rms_adamw"
+            ),
+            torch.optim.AdamW([named[n] for n in routing.adamw], lr=LR),
+        ]
+    else:
+        opts = [torch.optim.AdamW(net.parameters(), lr=LR)]
+    for step in range(STEPS):
+        for r in range(ws):
+            if step < STEPS - r % 2:
+                (_loss(net, *_rows(step, r, ws, False)) / ws).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return net
+
+
+@case(2, 4)
+def case_uneven_inputs_under_join_on_one_device(rank, ws):
+    """Odd ranks get one batch fewer and train on under ``model.join()`` (tests/test_join.py
+    on CPU): CUDA tensors, against one process stepping the active ranks' rows."""
+    _pin_device()
+    for mode in ("none", "zero1", "muon zero1"):
+        muon = mode.startswith("muon")
+        model, opt = aligndp.parallelize(_net(None), lr=LR, bucket_numel=150, **MODES[mode])
+        with fp32_newton_schulz() if muon else contextlib.nullcontext():
+            with model.join():
+                for step in range(STEPS - rank % 2):
+                    _loss(model, *_rows(step, rank, ws, False)).backward()
+                    opt.step()
+                    opt.zero_grad()
+            ref = _uneven_reference(muon, ws)
+        what = f"{mode} under join at {ws} ranks on one {DEVICE}"
+        for (name, p), q in zip(model.module.named_parameters(), ref.parameters()):
+            assert_close(p.detach().float(), q.detach().float(), f"{what}: {name}", REL_FP32)
+        assert_replicas_identical(model.module, what)
+
+
 make_tests(globals())

@@ -229,7 +229,7 @@ def case_ddp_join_throw_on_early_termination_raises_runtime_error_on_every_rank(
     for mode in ("none", "zero1"):
         group = dist.new_group(list(range(ws)), timeout=datetime.timedelta(seconds=8))
         model, opt = wrap(seeded(Net), mode, process_group=group)
-        with pytest.raises(RuntimeError, match="uneven inputs"):
+        with pytest.raises(RuntimeError, match="exhausted"):  # torch's Join's messages
             with model.join(throw_on_early_termination=True):
                 for step in range(3 if rank != 1 else 2):
                     backward_on(model, step, rank, ws)
@@ -238,20 +238,22 @@ def case_ddp_join_throw_on_early_termination_raises_runtime_error_on_every_rank(
         dist.barrier(group=group)
 
 
-@case(2, xfail="uneven inputs raise on every rank: aligndp has no shadow collectives for Join")
+@case(2)
 def case_ddp_uneven_inputs_train_on_under_join(rank, ws):
     """Port of ``test_ddp_uneven_inputs`` (torch's default, ``throw_on_early_termination=False``):
-    a rank out of inputs shadows the others' collectives and every rank finishes."""
+    a rank out of inputs shadows the others' collectives, every rank finishes, and the params
+    are torch DDP's under the same join (tests/test_join.py has the modes and keywords)."""
     group = dist.new_group(list(range(ws)), timeout=datetime.timedelta(seconds=8))
     model, opt = wrap(seeded(Net), "none", process_group=group)
-    try:
-        with model.join():
+    ref = TorchDDP(seeded(Net), "none")
+    for m, o in ((model, opt), (ref.model, ref)):
+        with m.join():
             for step in range(3 if rank != 1 else 2):
-                backward_on(model, step, rank, ws)
-                opt.step()
-                opt.zero_grad()
-    finally:
-        dist.barrier(group=group)
+                backward_on(m, step, rank, ws)
+                o.step()
+                o.zero_grad()
+    assert_params_match(model.module, ref.module, "uneven inputs under join()", REL)
+    dist.barrier(group=group)
 
 
 # ---- planted bugs that survived the suite (issue 42, item 5) ----

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from aligndp.optim.base import DataParallelOptimizer, check_max_grad_norm, global_grad_norm
+from aligndp.optim.join import JoinableOptimizer
 from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
@@ -178,7 +179,7 @@ class ReplicatedPart(OptimizerPart):
         model_space_to_torch_state(self.inner[0], self.names, sd)
 
 
-class CompositeOptimizer(DataParallelOptimizer):
+class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
     """One optimizer over several parts (e.g. layer-wise Muon + ZeRO-1 AdamW).
 
     ``param_groups`` lists every part's groups, tagged ``group["optimizer"]`` (``"muon"``,
@@ -203,6 +204,7 @@ class CompositeOptimizer(DataParallelOptimizer):
                     f"got {type(part).__name__}"
                 )
         super().__init__(model, [opt for part in parts for opt in part.inner])
+        self._join_init(model)  # torch's Join: optim/join.py
         self.parts = list(parts)
         for part in self.parts:
             for opt in part.inner:
@@ -266,12 +268,14 @@ class CompositeOptimizer(DataParallelOptimizer):
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the reduced gradients over every param (one all-reduce), as
         ``torch.nn.utils.clip_grad_norm_`` would compute it over every rank's full gradients."""
+        self._join_refuse_norm("opt.grad_norm()")
         return self._global_norm(self.model.finish_grad_sync())
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for every mode: scale the reduced gradients so their
         global 2-norm is at most ``max_norm``; returns the norm before clipping."""
+        self._join_refuse_norm("opt.clip_grad_norm_()")
         if float(norm_type) != 2.0:
             raise ValueError(f"aligndp clips by the 2-norm only, got norm_type={norm_type!r}")
         if not max_norm > 0:
@@ -283,6 +287,7 @@ class CompositeOptimizer(DataParallelOptimizer):
         """torch's ``step``: ``closure`` (forward and backward, returning the loss) runs first,
         with grad, and its loss is returned; ``kwargs`` go to every inner optimizer's ``step``
         (as ``ZeroRedundancyOptimizer.step`` passes them on)."""
+        self._join_check_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -76,7 +76,7 @@ from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.forward_hooks import after_forward, before_forward
 from aligndp.runtime.gather_codec import GatherCodec
 from aligndp.runtime.grad_sync import GradReducer
-from aligndp.runtime.join import Join, joining
+from aligndp.runtime.join import Joinable, JoinableModel
 from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.pickling import reduce_wrapper
@@ -95,7 +95,7 @@ __all__ = ["DDPConfig", "DataParallel", "BucketRef", "StepState", "NONFINITE_ACT
 _DEFAULT_CONFIG = DDPConfig()
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, JoinableModel):
     """Wrap an unmodified module; keep its grads in aligned flat buffers reduced by bucket.
 
     ``modes`` maps param names to a :class:`~aligndp.plan.spec.Mode` (default: every param
@@ -127,6 +127,7 @@ class DataParallel(nn.Module):
         gather_codec: GatherCodec | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # torch's Join: [Note: join] in runtime/join.py
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
         if not dist.is_initialized():
@@ -228,7 +229,6 @@ class DataParallel(nn.Module):
             overlap=config.overlap_param_gather,
         )
         """The order of the param all-gathers after each step; the optimizer calls into it."""
-        self._joined: Join | None = None
         self._comm_hook: str | None = None
         self.reducer = GradReducer(
             self.index,
@@ -323,21 +323,23 @@ class DataParallel(nn.Module):
     def _broadcast_from_rank0(self) -> None:
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                dist.broadcast(t.data, src=self._src, group=self.process_group)
+                dist.broadcast(t.data, src=self.global_rank(0), group=self.process_group)
 
-    @property
-    def _src(self) -> int:
-        return dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+    def global_rank(self, rank: int) -> int:
+        """The global rank of ``rank`` of ``process_group``."""
+        group = self.process_group
+        return dist.get_global_rank(group, rank) if group is not None else rank
 
     @torch.no_grad()
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's module buffers to every rank, one broadcast per dtype (none without buffers)."""
+    def _broadcast_buffers(self, src: int = 0) -> None:
+        """Rank ``src``'s module buffers to every rank, one broadcast per dtype (none without
+        buffers)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in self.module.buffers():
             by_dtype.setdefault(b.dtype, []).append(b)
         for tensors in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.broadcast(flat, src=self._src, group=self.process_group)
+            dist.broadcast(flat, src=self.global_rank(src), group=self.process_group)
             offset = 0
             for t in tensors:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -369,13 +371,6 @@ class DataParallel(nn.Module):
                 after_forward(self, args, out)
             return out
         return self.module(*args, **kwargs)
-
-    def join(
-        self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False
-    ):
-        """Uneven inputs (torch DDP's keywords): a rank out of batches makes every rank raise the
-        same ``RuntimeError`` at its next forward instead of hanging (runtime/join.py)."""
-        return joining(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def __reduce_ex__(self, protocol):  # torch.save(model): runtime/pickling.py
         return reduce_wrapper(self)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from aligndp.runtime.join import join_forward
+
 __all__ = ["before_forward", "after_forward"]
 
 
@@ -22,9 +24,11 @@ def before_forward(dp, args: tuple) -> None:
             "this DataParallel was replaced by a newer wrap of the same module; use the new one"
         )
     dp._in_call = True
-    if dp._joined is not None:
-        dp._joined.forward()
-    if dp.config.broadcast_buffers and dp.world_size > 1:
+    if dp._join_config.enable:
+        join_forward(dp)  # [Note: join] in join.py: the buffers from an active rank
+    elif dp._join_scaled is not None:
+        dp._join_scaled.factor = 1.0
+    if dp.config.broadcast_buffers and dp.world_size > 1 and not dp._join_config.enable:
         dp._broadcast_buffers()
     if torch.is_grad_enabled():
         dp.reducer._reopen()  # before autograd accumulates into a ShardedGrad

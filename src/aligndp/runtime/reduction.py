@@ -182,6 +182,19 @@ class Reduction:
             raise RuntimeError(problems)
         return self.reduced()
 
+    def shadow_backward(self) -> ReducedGrads:
+        """A rank that ran out of batches under ``Join`` ([Note: join] in join.py): the
+        collectives of the others' synchronised backward with zero gradients of its own — every
+        bucket in launch order, then the agreement — so it ends REDUCED with their reduced
+        gradients, ready to step. The readiness hints of its own backwards are kept."""
+        expected = list(self._expected)
+        self.zero_grad_buffer()
+        self._begin_accumulating()
+        try:
+            return self.finish_grad_sync()
+        finally:
+            self._expected[:] = expected
+
     def _flags(self, values: list[int]) -> torch.Tensor:
         """This rank's flags (step_flags.py) on the device, summed over the ranks."""
         nonfinite = None
