@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import aligndp
-from aligndp.optim.muon import MUON_SPLIT
+from aligndp.optim.muon import FLOPS_SPLIT
 from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode
 from tests._dist import case, make_tests
@@ -173,8 +173,8 @@ def case_zero1_matches_one_process(rank, ws):
 
 
 # [Note: split Newton–Schulz]: tiny matrices split anyway. FORCED cuts every matrix over as many
-# ranks as it has rows (ws at most); BALANCED splits only what a perfect balance asks for
-FORCED = dataclasses.replace(MUON_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
+# ranks as it has rows (ws at most); BALANCED splits only what a perfect balance asks for (flops)
+FORCED = dataclasses.replace(FLOPS_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
 BALANCED = dataclasses.replace(FORCED, budget=None, target=1.0)
 
 
