@@ -206,3 +206,27 @@ def test_timed_fake_collectives_move_nothing():
         assert out.sum() == 32
     finally:
         dist.destroy_process_group()
+
+
+def test_rehearsed_timed_steps_run_inside_moving_nothing(monkeypatch):
+    """measure_step on the fake backend: the warm-up and probed steps move as torch's fake
+    backend does (the probe counts them), every timed step runs inside moving_nothing()."""
+    import contextlib
+
+    import aligndp.app.rehearse_step as rehearse_step
+    from aligndp.app.rehearse import rehearse_rank
+
+    entered = []
+    real = rehearse_step.moving_nothing
+
+    @contextlib.contextmanager
+    def counted():
+        with real():
+            entered.append(True)
+            yield
+
+    monkeypatch.setattr(rehearse_step, "moving_nothing", counted)
+    options = RehearsalOptions(config=CONFIG, dp_size=4, sharding="zero1", steps=3)
+    got = rehearse_rank(options, 1)
+    assert len(entered) == 3
+    assert any(c.kind == "all_gather" for c in got.collectives)  # the probed step's, counted
