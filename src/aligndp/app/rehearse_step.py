@@ -68,8 +68,9 @@ class RehearsalOptions:
     collectives: str = "torch"
     """The collectives backend parallelize uses (``DDPConfig.collectives``)."""
     ns_cost: NewtonSchulzCost | None = None
-    """The Newton–Schulz cost a layer-wise Muon plan is balanced by ([Note: Newton–Schulz
-    device cost]); None: the rehearsed device's (``ns_cost_for(device)``)."""
+    """The Newton–Schulz cost a layer-wise Muon plan is balanced by
+    ([Note: Newton–Schulz device cost] in optim/ns_cost.py); None: the rehearsed device's
+    (``ns_cost_for(device)``)."""
 
     def __post_init__(self) -> None:
         from aligndp.models.gpt import PRESETS
