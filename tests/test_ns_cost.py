@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aligndp.app.rehearse_cost as rehearse_cost
 from aligndp.app.rehearse import RehearsalOptions, plan_layouts, rehearse
@@ -123,6 +125,34 @@ def test_fixed_cost_splits_less_and_balances_the_device_better_by_hand():
     assert by_device == [None, None]
     assert _device_loads(shapes, owners, by_flops, 2) == [3.5 * F, 2.0 * F]
     assert _device_loads(shapes, owners, by_device, 2) == [1.75 * F, 2.75 * F]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=10),
+    st.integers(1, 8),
+    st.floats(0.0, 2.0**22),
+    st.data(),
+)
+def test_fixed_cost_splits_never_slow_the_slowest_rank(mats, dp, fixed, data):
+    """Any plan by a device cost: each part pays the fixed cost once (a matrix cut in k parts
+    costs its whole cost plus (k - 1) fixed costs), and no rank ends above the slowest rank
+    of the unsplit plan, whatever the fixed cost."""
+    cost = NewtonSchulzCost(fixed, 1.0, "property")
+    policy = cost.policy(min_cols=1, col_multiple=1, min_part_cost=0)
+    owners = [data.draw(st.integers(0, dp - 1)) for _ in mats]
+    splits = plan_splits(mats, owners, dp_size=dp, cost=newton_schulz_cost, policy=policy)
+    before, after = [0.0] * dp, [0.0] * dp
+    for shape, owner, split in zip(mats, owners, splits):
+        before[owner] += cost.whole_cost(shape)
+        if split is None:
+            after[owner] += cost.whole_cost(shape)
+            continue
+        k = len(split.ranks)
+        assert sum(split.costs) == pytest.approx(cost.whole_cost(shape) + (k - 1) * fixed)
+        for rank, c in zip(split.ranks, split.costs):
+            after[rank] += c
+    assert max(after) <= max(before) * (1 + 1e-12)
 
 
 def test_policy_cost_balances_owners_in_its_units():
