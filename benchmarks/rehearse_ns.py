@@ -27,7 +27,7 @@ def calibrate_stage(args, log) -> dict:
     path = os.path.join(args.out, f"ns_calibrate_{args.device}.jsonl")
     with open(path, "w") as out:
         cost, rows = calibrate(
-            args.device, list(NS_PRESETS), [8, 16, 32, 64, 128, 256, 512, 1024],
+            args.device, list(args.ns_presets), [8, 16, 32, 64, 128, 256, 512, 1024],
             repeats=args.ns_repeats, max_madds=None, out=out,
         )  # fmt: skip
     ratios = [r["fit_over_measured"] for r in rows]
@@ -154,7 +154,7 @@ def ns_markdown(calibrated: dict | None, rows: list[dict], args) -> list[str]:
         lines.append(
             f"| {r['preset']} | {r['plan_cost']} | {r['splits']} | {r['parts']} "
             f"| {r['planned']:.3f} | {r['modelled_by_fit']:.3f} | **{r['measured']:.3f}** "
-            f"| {r['goal']} | {r['ns_max_ms']:.2f} | {r['ns_mean_ms']:.2f} "
+            f"| {r['goal'] or '-'} | {r['ns_max_ms']:.2f} | {r['ns_mean_ms']:.2f} "
             f"| {r['largest_ms']:.2f} ({m}x{n}) | {share} |"
         )
     return lines

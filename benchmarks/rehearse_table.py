@@ -303,7 +303,10 @@ def main() -> int:
         help="ns: a benchmarks/ns_calibrate.py JSONL to use as the recalibrated cost "
         "(instead of the calibrate stage)",
     )  # fmt: skip
-    ap.add_argument("--ns-presets", default=",".join(NS_PRESETS))
+    ap.add_argument(
+        "--ns-presets", default=None,
+        help=f"calibrate and ns: presets (default {','.join(NS_PRESETS)}; demo with --smoke)",
+    )  # fmt: skip
     ap.add_argument(
         "--ns-sample", type=int, default=None,
         help="ns: ranks whose step runs (default: 2 on cuda, 0 on cpu)",
@@ -328,7 +331,8 @@ def main() -> int:
         args.dps, args.batch, args.steps = (8, 64, 512, 1024), 4, 3
     if args.device_flag:  # e.g. the calibrate and ns stages on a CPU
         args.device = args.device_flag
-    args.ns_presets = [p.strip() for p in args.ns_presets.split(",") if p.strip()]
+    presets = args.ns_presets or ("demo" if args.smoke else ",".join(NS_PRESETS))
+    args.ns_presets = [p.strip() for p in presets.split(",") if p.strip()]
     if args.ns_sample is None:
         args.ns_sample = 2 if args.device == "cuda" else 0
     args.device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
