@@ -155,6 +155,17 @@ def test_fixed_cost_splits_never_slow_the_slowest_rank(mats, dp, fixed, data):
     assert max(after) <= max(before) * (1 + 1e-12)
 
 
+def test_smallest_part_is_two_fixed_costs_by_hand():
+    """128 x 1024 has 128²·2176 = 4.25 F multiply-adds; a part must cost 2 F, fixed cost
+    included: 4 parts of F + 1.06 F are allowed, 5 of F + 0.85 F are not (a budget of one
+    unit cuts as far as allowed). Counting the whole (5.25 F) against 2 F would allow 2."""
+    policy = DEVICE.policy(budget=1.0)
+    (split,) = plan_splits([(128, 1024)], [0], dp_size=8, cost=newton_schulz_cost, policy=policy)
+    assert len(split.ranks) == 4 and split.cols == (0, 256, 512, 768, 1024)
+    assert split.rows == (0, 32, 64, 96, 128)
+    assert split.costs == (F + 128**2 * 544,) * 4 and min(split.costs) >= 2 * F
+
+
 def test_policy_cost_balances_owners_in_its_units():
     """plan_layout with a policy that has a whole-param cost records that cost in every slot,
     so rank_costs() adds parts and whole params in one unit."""

@@ -58,7 +58,8 @@ class SplitPolicy:
     col_multiple: int = 128
     """Part widths are multiples of this where the matrix is wide enough."""
     min_part_cost: float = 2.0**24
-    """Fewest cost units of one part: below it a part's collectives outweigh its flops."""
+    """Fewest cost units of one part: below it a part's collectives outweigh its flops (a
+    device's policy: 2 fixed costs, ``NewtonSchulzCost.min_part_cost``)."""
     max_parts: int = 8
     """Most ranks one matrix is split over."""
     cost: OwnerCost | None = None
@@ -161,12 +162,23 @@ def plan_splits(
     for o, c in zip(owners, whole):
         loads[o] += c
 
+    limits: dict[int, int] = {}
+
     def limit(i: int) -> int:
+        """Most parts of matrix i: each part at least ``min_cols`` wide and costing at least
+        ``min_part_cost`` (a k-th of its columns and rows; with a fixed cost per part that
+        is more than a k-th of the whole)."""
+        if i in limits:
+            return limits[i]
         if len(shapes[i]) != 2:
             return 1
         m, n = wide(shapes[i])
-        by_cost = int(whole[i] // policy.min_part_cost) if policy.min_part_cost > 0 else dp_size
-        return max(1, min(policy.max_parts, dp_size, m, n // policy.min_cols, by_cost))
+        k = max(1, min(policy.max_parts, dp_size, m, n // policy.min_cols))
+        shape = tuple(shapes[i])
+        while k > 1 and policy.part_cost(shape, n / k, m / k) < policy.min_part_cost:
+            k -= 1
+        limits[i] = k
+        return k
 
     def recut(i: int, k: int) -> tuple[tuple[int, ...], tuple[float, ...], list[float]]:
         new = list(loads)
