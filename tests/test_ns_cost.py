@@ -271,3 +271,20 @@ def test_rehearsed_timed_steps_run_inside_moving_nothing(monkeypatch):
     got = rehearse_rank(options, 1)
     assert len(entered) == 3
     assert any(c.kind == "all_gather" for c in got.collectives)  # the probed step's, counted
+
+
+def test_rehearse_cli_picks_the_plan_cost():
+    import argparse
+
+    from aligndp.app import rehearse_cli
+
+    parser = argparse.ArgumentParser()
+    rehearse_cli.add_arguments(parser)
+    base = ["--nproc", "4", "--sharding", "zero1", "--optimizer", "muon"]
+    default = rehearse_cli.options_from_args(parser.parse_args(base))
+    assert default.ns_cost is None and default.split_policy == CPU_NS_COST.policy()
+    flops = rehearse_cli.options_from_args(parser.parse_args([*base, "--ns-cost", "flops"]))
+    assert flops.ns_cost is FLOPS_NS_COST
+    assert flops.parallelize_kwargs()["split"] == FLOPS_NS_COST.policy()
+    cuda = rehearse_cli.options_from_args(parser.parse_args([*base, "--ns-cost", "cuda"]))
+    assert cuda.split_policy == MUON_SPLIT  # what parallelize plans with by default
