@@ -111,12 +111,11 @@ FLOPS_SPLIT = FLOPS_NS_COST.policy(cost=None)
 ``newton_schulz_cost``, the same multiply-adds)."""
 
 CPU_NS_COST = NewtonSchulzCost(
-    fixed_s=7.400e-03,
-    s_per_madd=2.4224e-11,
+    fixed_s=1.395e-03,
+    s_per_madd=8.3147e-12,
     source="CPU (x86_64), bf16, OMP_NUM_THREADS=1, torch 2.13.0+cpu: benchmarks/"
-    "ns_calibrate.py --device cpu, 2026-12-07, 45 part shapes of gpt2-small/1b (2 cores "
-    "shared by other work: fitted / measured 0.51-1.75; benchmarks/results/"
-    "rehearse_ns_2026-12-07.md)",
+    "ns_calibrate.py --device cpu, 2026-12-07, 46 part shapes of 1b/gpt2-small (fitted / "
+    "measured 0.52-1.69; benchmarks/results/rehearse_ns_2026-12-07.md)",
 )
 """The CPU the project's tests run on (an indication: its cores are shared)."""
 
