@@ -71,7 +71,6 @@ def test_costs_refuse_nonsense_and_name_the_devices():
     assert ns_cost_for("cpu") is CPU_NS_COST and ns_cost_for("cuda") is H200_NS_COST
     with pytest.raises(ValueError, match="choose one of cpu, cuda, flops"):
         ns_cost_for("tpu")
-    assert "guess" in H200_NS_COST.source  # until an H200 calibration replaces it
 
 
 def test_flops_cost_is_the_flops_model():
@@ -180,8 +179,9 @@ def test_policy_cost_balances_owners_in_its_units():
 
 
 def test_cuda_plans_split_less_than_flops_on_gpt2_small():
-    """gpt2-small at D = 64 under the (guessed) H200 cost: no part of its 768-row matrices is
-    worth two fixed costs, so nothing is split (flops alone cut 39 matrices)."""
+    """gpt2-small at D = 64 under the shipped H200 cost: fewer of its 768-row matrices are
+    worth cutting than by the flops alone (39; none by the 2026-12-07 guess of 30 us per
+    part), and the slowest rank is no slower by that cost."""
     options = RehearsalOptions(
         preset="gpt2-small", dp_size=64, sharding="zero1", optimizer="muon", ranks=None
     )
@@ -189,7 +189,7 @@ def test_cuda_plans_split_less_than_flops_on_gpt2_small():
     by_h200 = plan_layouts(dataclasses.replace(options, ns_cost=H200_NS_COST))
     (flops,) = [lo for lo in by_flops if lo.mode is Mode.LAYERWISE]
     (h200,) = [lo for lo in by_h200 if lo.mode is Mode.LAYERWISE]
-    assert len(h200.splits) == 0 < len(flops.splits)
+    assert len(h200.splits) < len(flops.splits)
 
     def modelled(lo):
         return max(sum(H200_NS_COST.seconds(*p) for p in mine) for mine in rank_ns_parts(lo))
