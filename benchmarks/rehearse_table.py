@@ -3,9 +3,13 @@
 
     OUT=/some/dir python benchmarks/rehearse_table.py            # one H200, ~8 minutes
     OUT=/tmp/r python benchmarks/rehearse_table.py --smoke       # CPU, tiny shapes, seconds
+    OUT=/some/dir python benchmarks/rehearse_table.py --stages calibrate,ns   # a few minutes
+    OUT=/tmp/r python benchmarks/rehearse_table.py --stages ns --device cpu \
+        --calibration benchmarks/results/rehearse_ns_2026-12-07/ns_calibrate_cpu.jsonl
 
-Writes ``$OUT/rehearse_2026-12-03.md`` (tables) and ``$OUT/rehearse_2026-12-03.jsonl`` (one
-JSON object per row):
+``--stages`` picks what runs (default ``scale,8b,d1,gloo``, items 1-4 below; ``calibrate`` and
+``ns`` are item 5). Writes ``$OUT/rehearse_<date>.md`` (tables; ``rehearse_ns_<date>.md`` when
+only ``calibrate`` and ``ns`` run) and a ``.jsonl`` beside it (one JSON object per row):
 1. the 1b preset rehearsed at D = 8, 64, 512, 1024 under DDP, ZeRO-1 (AdamW), layer-wise Muon
    and a 2-D mesh (ZeRO-1 over 8-rank shard groups, D / 8 replicas): fits, peak memory beside
    the plan's, step split, measured Newton–Schulz max / mean, predicted step and tokens/s per
@@ -14,7 +18,13 @@ JSON object per row):
    the plan plus the activations (measured alone: one forward of the plain model);
 3. D = 1: the rehearsed step time beside a real one-rank NCCL step;
 4. D = 2 and 4 on one GPU over gloo (NCCL refuses two ranks per GPU): every rank's
-   collectives and peak memory beside its rehearsal.
+   collectives and peak memory beside its rehearsal;
+5. ``calibrate``: this device's Newton–Schulz cost fitted (benchmarks/ns_calibrate.py, raw
+   timings in ``ns_calibrate_<device>.jsonl``); ``ns``: layer-wise Muon at D = 64 on 1b and
+   gpt2-small, every rank's Newton–Schulz measured, with the plan balanced by the flops model,
+   by the device's shipped cost and by the cost just fitted ("Recalibrated"), and the largest
+   matrix's own time (the floor of the rank that owns it); on a GPU two ranks' steps also run
+   (the optimizer's share of forward + backward).
 """
 
 from __future__ import annotations
@@ -30,17 +40,28 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rehearse_ns import (
+    NS_PRESETS,
+    calibrate_stage,
+    fitted_cost,
+    load_calibration,
+    ns_markdown,
+    ns_rows,
+)
 
 from aligndp.app.rehearse import RehearsalOptions, rehearse, rehearse_rank
 from aligndp.app.rehearse_probe import UNSTAGED, register_unstaged
 from aligndp.app.rehearse_step import measure_step
 
-STAMP = "2026-12-03"
+STAMP = "2026-12-07"
+STAGES = ("calibrate", "ns", "scale", "8b", "d1", "gloo")
+NAME = {"value": f"rehearse_{STAMP}"}
+"""The results' file name without extension (set in main from the stages)."""
 
 
 def log(out, row: dict) -> None:
     print(json.dumps(row, default=str), flush=True)
-    with open(os.path.join(out, f"rehearse_{STAMP}.jsonl"), "a") as f:
+    with open(os.path.join(out, f"{NAME['value']}.jsonl"), "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
 
 
@@ -250,12 +271,14 @@ def markdown(scale, big, d1, gloo, args) -> str:
             f"| {r['plan_gib']:.2f} | {ms('forward')} | {ms('backward')} | {ms('optimizer')} "
             f"| {ns} | {r['ns_max_ms']:.2f} | {share} | {step} | {tps} |"
         )
-    lines += ["", f"8b preset, ZeRO-1 at D = 64, bf16 params + autocast, batch 1 x 4096: "
+    if big is not None:
+        lines += ["", f"8b preset, ZeRO-1 at D = 64, bf16 params + autocast, batch 1 x 4096: "
               f"fits {big['fits']}, peak {big['peak_gib']:.2f} GiB (reserved "
               f"{big['reserved_gib']:.2f}), plan {big['plan_gib']:.2f} GiB + activations "
               f"{big['activations_gib']:.2f} GiB; peak / (plan + activations) "
               f"{big['peak_over_plan_plus_acts']}"]  # fmt: skip
-    lines += ["", f"D = 1: rehearsed / real step time {d1['rehearsed_over_real']:.4f}"]
+    if d1 is not None:
+        lines += ["", f"D = 1: rehearsed / real step time {d1['rehearsed_over_real']:.4f}"]
     for r in gloo:
         lines.append(
             f"gloo, {r['ws']} ranks on one device, rank {r['rank']}: collectives equal "
@@ -271,7 +294,33 @@ def main() -> int:
     ap.add_argument(
         "--smoke", action="store_true", help="CPU, tiny presets (a check of the script)"
     )
+    ap.add_argument(
+        "--stages", default="scale,8b,d1,gloo",
+        help=f"comma-separated, any of {', '.join(STAGES)} (default: scale,8b,d1,gloo)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--calibration", default=None,
+        help="ns: a benchmarks/ns_calibrate.py JSONL to use as the recalibrated cost "
+        "(instead of the calibrate stage)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ns-presets", default=None,
+        help=f"calibrate and ns: presets (default {','.join(NS_PRESETS)}; demo with --smoke)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ns-sample", type=int, default=None,
+        help="ns: ranks whose step runs (default: 2 on cuda, 0 on cpu)",
+    )  # fmt: skip
+    ap.add_argument("--ns-repeats", type=int, default=3)
+    ap.add_argument(
+        "--device", dest="device_flag", choices=("cpu", "cuda"), default=None,
+        help="default: cuda (cpu with --smoke)",
+    )  # fmt: skip
     args = ap.parse_args()
+    stages = [x.strip() for x in args.stages.split(",") if x.strip()]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        ap.error(f"--stages: unknown {', '.join(unknown)}; choose from {', '.join(STAGES)}")
     args.out = os.environ.get("OUT", ".")
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
@@ -280,14 +329,31 @@ def main() -> int:
     else:
         args.device, args.preset, args.big, args.gloo_preset = "cuda", "1b", "8b", "gpt2-small"
         args.dps, args.batch, args.steps = (8, 64, 512, 1024), 4, 3
+    if args.device_flag:  # e.g. the calibrate and ns stages on a CPU
+        args.device = args.device_flag
+    presets = args.ns_presets or ("demo" if args.smoke else ",".join(NS_PRESETS))
+    args.ns_presets = [p.strip() for p in presets.split(",") if p.strip()]
+    if args.ns_sample is None:
+        args.ns_sample = 2 if args.device == "cuda" else 0
     args.device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    scale = table_rows(args)
-    big = big_row(args)
-    d1 = d1_row(args)
-    gloo = gloo_rows(args)
-    path = os.path.join(args.out, f"rehearse_{STAMP}.md")
+    only_ns = set(stages) <= {"calibrate", "ns"}
+    NAME["value"] = f"rehearse_ns_{STAMP}" if only_ns else f"rehearse_{STAMP}"
+    calibrated = load_calibration(args.calibration) if args.calibration else None
+    if "calibrate" in stages:
+        calibrated = calibrate_stage(args, log)
+    ns = ns_rows(args, log, fitted_cost(calibrated)) if "ns" in stages else []
+    lines = []
+    if not only_ns:
+        scale = table_rows(args) if "scale" in stages else []
+        big = big_row(args) if "8b" in stages else None
+        d1 = d1_row(args) if "d1" in stages else None
+        gloo = gloo_rows(args) if "gloo" in stages else []
+        lines.append(markdown(scale, big, d1, gloo, args))
+    if ns or calibrated:
+        lines.append("\n".join(ns_markdown(calibrated, ns, args)) + "\n")
+    path = os.path.join(args.out, f"{NAME['value']}.md")
     with open(path, "w") as f:
-        f.write(markdown(scale, big, d1, gloo, args))
+        f.write("\n".join(lines))
     print(open(path).read())
     return 0
 

@@ -16,6 +16,7 @@ import aligndp
 from aligndp.app import cli, layout_cli
 from aligndp.app.plot import draw_layout
 from aligndp.models.gpt import GPT, PRESETS
+from aligndp.optim.ns_cost import H200_NS_COST
 from aligndp.plan.layout import plan_layout
 from aligndp.plan.spec import ParamSpec
 
@@ -132,9 +133,10 @@ def test_replicas_plan_for_the_shard_group(capsys):
 
 
 def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
-    # two 64x64 and two 32x32 on 2 ranks: each rank one of each, cost 3·(64^3 + 32^3) = 884,736
-    # (an m x m matrix: m²·(2m + m) per iteration) and 4096 + 1024 = 5,120 elements, imbalance
-    # exactly 1.
+    # two 64x64 and two 32x32 on 2 ranks: each rank one of each; Muon's default cost is the
+    # H200's Newton-Schulz time ([Note: Newton–Schulz device cost]): per matrix a fixed cost
+    # and m²·(2m + m) multiply-adds per iteration, so 2 fixed costs + 3·(64^3 + 32^3) =
+    # 884,736 multiply-adds, and 4096 + 1024 = 5,120 elements per rank, imbalance exactly 1.
     code, out, _ = layout_main(
         capsys,
         "--shapes",
@@ -147,30 +149,34 @@ def test_layerwise_table_shows_per_rank_cost_numel_and_imbalance(capsys):
         "muon",  # Newton–Schulz owner cost; without it the cost is the numel
     )
     assert code == 0
-    assert out.count("8.847e+05") == 2 and out.count("5,120") >= 2
+    cost = 2 * H200_NS_COST.fixed_s + 884_736 * H200_NS_COST.s_per_madd
+    assert out.count(f"{cost:.4g}") == 2 and out.count("5,120") >= 2
     assert "NS imbalance max/mean 1.0000 (numel 1.0000), 0 matrices split" in out
     assert "0 padding" in out and "1 bucket(s)" in out
 
 
 def test_layerwise_muon_shows_split_matrices_and_ns_imbalance(capsys):
-    # p0 1024x4096 costs 1024²·(2·4096 + 1024) = 1024²·9216 per iteration, p1 256x256
-    # 256²·768: whole, p0's owner does 0.995 of the work. Split in 2: 2048 columns (16 units of
-    # 128 each) and 9216/2 - 2·2048 = 512 rows of B per part, 1024²·4608 each; rank 1 also
-    # owns p1: max/mean = (4608·1024² + 768·256²) / ((9216·1024² + 768·256²) / 2) = 1.0052
+    # p0 8192x32768 costs F + 8192²·(2·32768 + 8192) multiply-adds per iteration (F the H200's
+    # fixed cost per part), p1 256x256 F + 256²·768: whole, p0's owner does nearly all of it.
+    # Split in 2: 16384 columns and (2·32768 + 8192)/2 - 2·16384 = 4096 rows of B per part,
+    # F + 8192²·36864 each; rank 1 also owns p1.
     code, out, _ = layout_main(
-        capsys, "--shapes", "1024x4096,256x256", "--nproc", "2", "--sharding", "zero1",
+        capsys, "--shapes", "8192x32768,256x256", "--nproc", "2", "--sharding", "zero1",
         "--optimizer", "muon",
     )  # fmt: skip
     assert code == 0
-    assert "NS imbalance max/mean 1.0052" in out and "1 matrices split" in out
-    assert "p0 1024x4096: 0:2048 1:2048" in out
+    fixed, s = H200_NS_COST.fixed_s, H200_NS_COST.s_per_madd
+    part, small = fixed + 8192**2 * 36864 * s, fixed + 256**2 * 768 * s
+    ratio = (part + small) / ((2 * part + small) / 2)
+    assert f"NS imbalance max/mean {ratio:.4f}" in out and "1 matrices split" in out
+    assert "p0 8192x32768: 0:16384 1:16384" in out
     code, out, _ = layout_main(
-        capsys, "--shapes", "1024x4096,256x256", "--nproc", "2", "--sharding", "zero1",
+        capsys, "--shapes", "8192x32768,256x256", "--nproc", "2", "--sharding", "zero1",
         "--optimizer", "muon", "--json",
     )  # fmt: skip
     (layerwise,) = json.loads(out)["buffers"]
     split = {p["name"]: p["split"] for p in layerwise["params"]}
-    assert split == {"p0": {"ranks": [0, 1], "cols": [0, 2048, 4096]}, "p1": None}
+    assert split == {"p0": {"ranks": [0, 1], "cols": [0, 16384, 32768]}, "p1": None}
 
 
 def test_lowered_alignment_shows_the_effective_one(capsys):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import aligndp
-from aligndp.optim.muon import MUON_SPLIT
+from aligndp.optim.muon import FLOPS_SPLIT
 from aligndp.plan.routing import route_params
 from aligndp.plan.spec import Mode
 from tests._dist import case, make_tests
@@ -173,8 +173,8 @@ def case_zero1_matches_one_process(rank, ws):
 
 
 # [Note: split Newton–Schulz]: tiny matrices split anyway. FORCED cuts every matrix over as many
-# ranks as it has rows (ws at most); BALANCED splits only what a perfect balance asks for
-FORCED = dataclasses.replace(MUON_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
+# ranks as it has rows (ws at most); BALANCED splits only what a perfect balance asks for (flops)
+FORCED = dataclasses.replace(FLOPS_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
 BALANCED = dataclasses.replace(FORCED, budget=None, target=1.0)
 
 
@@ -280,13 +280,14 @@ def _issue_gpt():
 @case(4)
 def case_layerwise_muon_whose_split_groups_overlap_wraps_and_trains(rank, ws):
     """Issue 42's model (2 blocks, width 768, vocabulary 4096) at 4 ranks, flat and on a 2 x 2
-    mesh: Muon's default split policy shares matrices over overlapping groups of ranks; every
-    rank finishes parallelize() and two steps, and the replicas stay identical."""
+    mesh: the flops model's split policy (Muon's default when the plan hung) shares matrices
+    over overlapping groups of ranks; every rank finishes parallelize() and two steps, and the
+    replicas stay identical."""
     from torch.distributed.device_mesh import init_device_mesh
 
     for mesh in (None, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))):
         model, opt = aligndp.parallelize(
-            _issue_gpt(), optimizer="muon", sharding="zero1", mesh=mesh
+            _issue_gpt(), optimizer="muon", sharding="zero1", mesh=mesh, split=FLOPS_SPLIT
         )
         groups = {
             tuple(p.split.ranks) for lo in model.layouts for p in lo.params if p.split is not None
@@ -364,6 +365,7 @@ def case_param_groups_and_lr_scheduler(rank, ws):
         adamw_lr=ADAMW_LR,
         adamw_betas=(0.8, 0.9),
         momentum=0.9,
+        split=FLOPS_SPLIT,  # owners balanced by the flops, as worked by hand below
     )
     tags = [g["optimizer"] for g in opt.param_groups]
     assert tags == ["muon", "adamw"], tags
@@ -383,7 +385,7 @@ def case_param_groups_and_lr_scheduler(rank, ws):
     # Newton-Schulz cost m²·(2n + m) (m <= n), by hand: mlp.0 (37x11) and mlp.1 (11x37) cost
     # 121 * 85 = 10285 each, mix (11x11) 121 * 33 = 3993. The balanced owners put the two 10285s
     # on different ranks: costs 10285 + 3993 = 14278 and 10285, mean 12281.5; matrices this
-    # small are never split by default (parts of at least 2^24).
+    # small are never split (parts of at least 2^24 multiply-adds).
     owned: list[list[str]] = [None] * ws  # type: ignore[list-item]
     dist.all_gather_object(owned, [opt.parts[0].names[i] for i in opt.parts[0].owned])
     cost = {"mlp.0.weight": 10285, "mlp.1.weight": 10285, "mix.weight": 3993}

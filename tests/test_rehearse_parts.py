@@ -24,6 +24,7 @@ from aligndp.app.rehearse_cost import (
 )
 from aligndp.app.rehearse_probe import StepProbe
 from aligndp.models.gpt import GPT, PRESETS, GPTConfig
+from aligndp.optim.ns_cost import FLOPS_NS_COST
 from aligndp.runtime.fake_world import gather_objects, init_fake_world, is_fake
 
 CONFIG = GPTConfig(vocab_size=256, seq_len=16, dim=256, num_layers=1, head_dim=64)
@@ -75,9 +76,10 @@ def test_analytic_memory_by_hand():
 
 
 def test_newton_schulz_parts_cover_every_matrix_once():
-    layouts = plan_layouts(
-        RehearsalOptions(config=CONFIG, dp_size=4, sharding="zero1", optimizer="muon")
-    )
+    options = RehearsalOptions(
+        config=CONFIG, dp_size=4, sharding="zero1", optimizer="muon", ns_cost=FLOPS_NS_COST
+    )  # the flops model splits these small matrices; a device's fixed cost would not
+    layouts = plan_layouts(options)
     (layerwise,) = [lo for lo in layouts if lo.mode.value == "layerwise"]
     parts = rank_ns_parts(layerwise)
     matrices = [p for p in layerwise.params if len(p.shape) == 2]

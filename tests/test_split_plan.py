@@ -1,7 +1,8 @@
 """Split Newton–Schulz plans ([Note: split Newton–Schulz] in plan/split.py): pure, no processes.
 
 The balance goals of issue 24 on the GPT presets (specs from a meta-device model, as
-``aligndp layout`` builds them), the cost model by hand, and properties over random plans.
+``aligndp layout`` builds them), the cost model by hand, and properties over random plans;
+all in the flops model (``FLOPS_SPLIT``; a device's fixed cost per part: test_ns_cost.py).
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aligndp.app.layout_cli import LayoutOptions, preset_model
-from aligndp.optim.muon import MUON_SPLIT, newton_schulz_cost, newton_schulz_part_cost
+from aligndp.optim.muon import FLOPS_SPLIT, newton_schulz_cost, newton_schulz_part_cost
 from aligndp.plan.layout import plan_layout
+from aligndp.plan.request import plan_buffers
 from aligndp.plan.spec import Mode, ParamSpec, max_over_mean
 from aligndp.plan.split import SplitPolicy, plan_splits, split_bounds
 
-EAGER = dataclasses.replace(MUON_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0)
+EAGER = dataclasses.replace(FLOPS_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0)
 """Splits anything, however small (what the gloo tests force with tiny matrices)."""
 
 
-def layerwise(preset: str, dp: int):
-    layouts = LayoutOptions(
+def layerwise(preset: str, dp: int, split: SplitPolicy = FLOPS_SPLIT):
+    request = LayoutOptions(
         model=preset_model(preset), dp_size=dp, mode=Mode.LAYERWISE, optimizer="muon"
-    ).plan()
+    ).request()
+    layouts = plan_buffers(dataclasses.replace(request, split=split))
     (layout,) = [lo for lo in layouts if lo.mode is Mode.LAYERWISE]
     return layout
 
@@ -45,7 +48,7 @@ def test_presets_balanced_at_scale(preset):
         for p in layout.splits:
             assert p.split.ranks[0] == p.owner and len(set(p.split.ranks)) == len(p.split.ranks)
             widths = [b - a for a, b in zip(p.split.cols, p.split.cols[1:])]
-            assert min(widths) >= MUON_SPLIT.min_cols, (p.name, widths)
+            assert min(widths) >= FLOPS_SPLIT.min_cols, (p.name, widths)
             assert all(w % 128 == 0 for w in widths), (p.name, widths)  # preset widths allow it
 
 
@@ -54,12 +57,12 @@ def test_cost_model_by_hand():
     assert newton_schulz_cost((768, 3072)) == 768**2 * (2 * 3072 + 768)
     assert newton_schulz_cost((3072, 768)) == newton_schulz_cost((768, 3072))
     # in 2 parts of 1536 columns: rows (2·3072 + 768)/2 - 2·1536 = 384 each
-    cols, rows = split_bounds((3072, 768), 2, MUON_SPLIT)
+    cols, rows = split_bounds((3072, 768), 2, FLOPS_SPLIT)
     assert cols == (0, 1536, 3072) and rows == (0, 384, 768)
     assert newton_schulz_part_cost((3072, 768), 1536, 384) == 768**2 * (2 * 1536 + 384)
     # widths multiples of 128, the last takes the rest: 1000 holds 7 units of 128, cut 3, 2, 2,
     # and 104 columns left over: 384, 256, 360
-    cols, rows = split_bounds((8, 1000), 3, MUON_SPLIT)
+    cols, rows = split_bounds((8, 1000), 3, FLOPS_SPLIT)
     assert cols == (0, 384, 640, 1000)
     # part work 2·n_j + r_j as equal as can be: (2000 + 8)/3 = 669.3 leaves rows only for the
     # 256-wide part (2·384 and 2·360 are above it already): all 8
@@ -72,11 +75,13 @@ def test_one_matrix_on_two_ranks_by_hand():
     (split,) = plan_splits([(128, 1024)], [0], dp_size=2, cost=newton_schulz_cost, policy=EAGER)
     assert split.ranks == (0, 1) and split.cols == (0, 512, 1024) and split.rows == (0, 64, 128)
     assert split.costs == (128**2 * 1088.0, 128**2 * 1088.0)
-    # the default policy keeps parts of at least 2^24 multiply-adds: 128²·1088 is 2^24·1.06,
+    # the flops policy keeps parts of at least 2^24 multiply-adds: 128²·1088 is 2^24·1.06,
     # but 64 x 1024 is only 64²·2112 = 2^24·0.52 whole
-    default = plan_splits([(128, 1024)], [0], dp_size=2, cost=newton_schulz_cost, policy=MUON_SPLIT)
+    default = plan_splits(
+        [(128, 1024)], [0], dp_size=2, cost=newton_schulz_cost, policy=FLOPS_SPLIT
+    )
     assert default == [split]
-    small = plan_splits([(64, 1024)], [0], dp_size=2, cost=newton_schulz_cost, policy=MUON_SPLIT)
+    small = plan_splits([(64, 1024)], [0], dp_size=2, cost=newton_schulz_cost, policy=FLOPS_SPLIT)
     assert small == [None]
     # a balanced plan is left alone; a budget splits what costs more than it
     two = [(128, 1024), (128, 1024)]
@@ -171,12 +176,12 @@ def test_leftover_rows_go_where_they_keep_the_largest_part_smallest():
     so the largest part's work ``2·n_j + r_j`` is the least possible (brute force over every
     row split, small shapes); hand-worked: 6x6 in 5 parts has widths 2,1,1,1,1 and rows
     0,2,2,1,1 (largest work 4; the other way round gives 5)."""
-    cols, rows = split_bounds((6, 6), 5, MUON_SPLIT)
+    cols, rows = split_bounds((6, 6), 5, FLOPS_SPLIT)
     assert cols == (0, 2, 3, 4, 5, 6) and rows == (0, 0, 2, 4, 5, 6), (cols, rows)
     for a in range(2, 11):
         for b in range(2, 11):
             for k in range(2, 6):
-                cols, rows = split_bounds((a, b), k, MUON_SPLIT)
+                cols, rows = split_bounds((a, b), k, FLOPS_SPLIT)
                 widths = [cols[j + 1] - cols[j] for j in range(k)]
                 work = max(2 * w + rows[j + 1] - rows[j] for j, w in enumerate(widths))
                 assert work == _least_max_work(min(a, b), widths), (a, b, k, rows)

@@ -110,6 +110,7 @@ def plan_layouts(options: RehearsalOptions) -> list:
         bucket_numel=kwargs.get("bucket_numel", plan_request.__kwdefaults__["bucket_numel"]),
         wgrad=kwargs["wgrad"],
         fp8_param_gather=options.fp8_param_gather,
+        split=kwargs.get("split"),
     )
     return plan_buffers(request)
 

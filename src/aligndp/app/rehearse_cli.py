@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--rank all: ranks stepped (0: plan and Newton-Schulz only)",
     )
     parser.add_argument("--ns-repeats", type=int, default=3, help="timings per NS part shape")
+    parser.add_argument(
+        "--ns-cost",
+        choices=("device", "cpu", "cuda", "flops"),
+        default="device",
+        help="Newton-Schulz cost a layer-wise Muon plan is balanced by: the --device's "
+        "(default), the CPU's or the H200's figures, or the flops alone",
+    )
     parser.add_argument("--bucket-numel", type=int, default=None)
     parser.add_argument(
         "--intra", default=None, metavar="GBPS,US", help="link within a node (default 360,10)"
@@ -87,6 +94,7 @@ def _ranks(text: str, dp: int) -> tuple[int, ...] | None:
 def options_from_args(args: argparse.Namespace):
     from aligndp.app.rehearse import RehearsalOptions
     from aligndp.app.rehearse_cost import CommModel, Link
+    from aligndp.optim.ns_cost import ns_cost_for
 
     comm = CommModel(
         intra=Link.parse(args.intra, flag="--intra") if args.intra else CommModel.intra,
@@ -113,6 +121,7 @@ def options_from_args(args: argparse.Namespace):
         bucket_numel=args.bucket_numel,
         ns_repeats=args.ns_repeats,
         comm=comm,
+        ns_cost=None if args.ns_cost == "device" else ns_cost_for(args.ns_cost),
     )
 
 

@@ -18,7 +18,9 @@ import torch
 
 from aligndp.app.rehearse_cost import CommModel
 from aligndp.app.rehearse_probe import CollectiveRecord, StepProbe
+from aligndp.optim.ns_cost import NewtonSchulzCost, ns_cost_for
 from aligndp.optim.registry import whole_matrix_spec
+from aligndp.runtime.fake_world import is_fake, moving_nothing
 
 __all__ = ["DTYPES", "RehearsalOptions", "StepMeasurement", "measure_step"]
 
@@ -65,6 +67,10 @@ class RehearsalOptions:
     comm: CommModel = CommModel()
     collectives: str = "torch"
     """The collectives backend parallelize uses (``DDPConfig.collectives``)."""
+    ns_cost: NewtonSchulzCost | None = None
+    """The Newton–Schulz cost a layer-wise Muon plan is balanced by
+    ([Note: Newton–Schulz device cost] in optim/ns_cost.py); None: the rehearsed device's
+    (``ns_cost_for(device)``)."""
 
     def __post_init__(self) -> None:
         from aligndp.models.gpt import PRESETS
@@ -123,7 +129,15 @@ class RehearsalOptions:
         )
         if self.bucket_numel is not None:
             kwargs["bucket_numel"] = self.bucket_numel
+        spec = whole_matrix_spec(self.optimizer)
+        if spec is not None and spec.split is not None:
+            kwargs["split"] = self.split_policy
         return kwargs
+
+    @property
+    def split_policy(self):
+        """The split policy of a layer-wise Muon plan: :attr:`ns_cost`'s."""
+        return (self.ns_cost or ns_cost_for(self.device)).policy()
 
 
 @dataclasses.dataclass
@@ -203,7 +217,9 @@ def measure_step(options: RehearsalOptions) -> StepMeasurement:
         x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=options.autocast)
         totals = dict.fromkeys(("forward", "backward", "optimizer", "gather"), 0.0)
-        # step 0 warms up, step 1 is probed (collectives and memory), the rest are timed
+        # step 0 warms up, step 1 is probed (collectives and memory), the rest are timed; on
+        # the fake backend the timed steps' collectives move nothing (runtime/fake_world.py)
+        quiet = moving_nothing if is_fake() else contextlib.nullcontext
         for step in range(options.steps + 2):
             if step == 1:
                 probe.start_step()
@@ -211,7 +227,7 @@ def measure_step(options: RehearsalOptions) -> StepMeasurement:
                 probe.recording, inside = False, False
                 probe.__exit__(None, None, None)
             spent = [0.0]
-            with _timed_gather(ddp, spent):
+            with _timed_gather(ddp, spent), quiet() if step >= 2 else contextlib.nullcontext():
                 marks = [time.perf_counter()]
                 for phase in ("forward", "backward", "optimizer"):
                     probe.phase = phase

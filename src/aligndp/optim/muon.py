@@ -12,13 +12,15 @@ from collections.abc import Sequence
 
 import torch
 
+from aligndp.optim.ns_cost import FLOPS_SPLIT, H200_NS_COST
 from aligndp.optim.whole_matrix import WholeMatrixSpec
-from aligndp.plan.split import SplitPolicy, wide
+from aligndp.plan.split import wide
 
 __all__ = [
     "MUON",
     "MUON_DEFAULTS",
     "MUON_OPTIONS",
+    "FLOPS_SPLIT",
     "MUON_SPLIT",
     "newton_schulz_cost",
     "newton_schulz_part_cost",
@@ -60,9 +62,13 @@ def newton_schulz_part_cost(shape: Sequence[int], cols: int, rows: int) -> float
     return float(m * m * (2 * cols + rows))
 
 
-MUON_SPLIT = SplitPolicy(newton_schulz_part_cost)
-"""Muon's default split policy: split what balance needs (target max/mean 1.05), parts of at
-least 128 columns and 2^24 multiply-adds."""
+MUON_SPLIT = H200_NS_COST.policy()
+"""Muon's default split policy: split what balance needs (target max/mean 1.05) by one
+H200's Newton–Schulz time ([Note: Newton–Schulz device cost] in optim/ns_cost.py: a fixed
+cost per part per iteration plus the flops; owners balanced by the same time), parts of at
+least 128 columns and 2 fixed costs. Another device: ``parallelize(split=cost.policy())``
+with its ``NewtonSchulzCost``; the flops model alone: ``FLOPS_SPLIT`` (whose parts add up to
+:func:`newton_schulz_cost`, :func:`newton_schulz_part_cost` each)."""
 
 
 MUON_DEFAULTS = (("adjust_lr_fn", "match_rms_adamw"),)

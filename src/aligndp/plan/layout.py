@@ -111,6 +111,8 @@ def plan_layout(
     The result is checked by :func:`validate` before it is returned.
     """
     mode = Mode.parse(mode)
+    if split is not None and split.cost is not None:  # owners balanced in the split's units
+        owner_cost = split.cost
     check_settings(
         dp_size=dp_size,
         bucket_numel=bucket_numel,

@@ -8,11 +8,15 @@ on ``X`` (m x n in its wide orientation, m <= n, as torch transposes) is ``A = X
 ``A = Σ_j X_j X_jᵀ``, one all-reduce of the m x m Gram in the group, then ``X_j <- aX_j + BX_j``
 locally) and the m³ product ``A·A`` by rows of ``B`` (rank j computes its rows, one all-gather).
 So part j costs ``m²·(2·n_j + r_j)`` for ``n_j`` columns and ``r_j`` rows, and the parts of a
-matrix add up to its whole cost ``m²·(2n + m)``: splitting adds communication, no compute
-(the cost model is the flops; communication is not in it). The owner keeps the gradient, the
-momentum and the param whole in its shard (the layer-wise buffer layout does not change); the
-others only lend their Newton–Schulz time. Muon's maths is unchanged: one matrix is still
-orthogonalised as one matrix.
+matrix add up to its whole flops ``m²·(2n + m)``: splitting adds communication and, on a
+device, each part's fixed cost (launches, small GEMMs), no flops. The policy's cost model
+says what a part costs: Muon's default is a device's ``fixed + madds · s_per_madd`` seconds
+([Note: Newton–Schulz device cost] in optim/ns_cost.py), so a matrix cut in k parts pays the
+fixed cost k times and is cut only where that still lowers the most loaded rank; the flops
+model alone (``FLOPS_SPLIT``) is kept for hand-worked plans. Communication is not in it. The
+owner keeps the gradient, the momentum and the param whole in its shard (the layer-wise buffer
+layout does not change); the others only lend their Newton–Schulz time. Muon's maths is
+unchanged: one matrix is still orthogonalised as one matrix.
 
 :func:`plan_splits` chooses, after owners are assigned, greedily: while the ranks' cost
 max/mean is above :attr:`SplitPolicy.target`, the matrix with the largest share on the most
@@ -41,8 +45,9 @@ class SplitPolicy:
     """When the layer-wise planner splits one matrix's Newton–Schulz over several ranks."""
 
     part_cost: PartCost
-    """Cost of one part (Muon: ``newton_schulz_part_cost`` in aligndp/optim/muon.py); the parts
-    of a matrix must add up to its owner cost."""
+    """Cost of one part (Muon: ``NewtonSchulzCost.part_cost`` in aligndp/optim/ns_cost.py);
+    a matrix's parts add up to its whole cost plus what splitting adds (a fixed cost per
+    part), never less."""
     target: float = 1.05
     """Splitting stops once the buffer's rank cost max/mean is at most this."""
     budget: float | None = None
@@ -53,9 +58,14 @@ class SplitPolicy:
     col_multiple: int = 128
     """Part widths are multiples of this where the matrix is wide enough."""
     min_part_cost: float = 2.0**24
-    """Fewest cost units of one part: below it a part's collectives outweigh its flops."""
+    """Fewest cost units of one part: below it a part's collectives outweigh its flops (a
+    device's policy: 2 fixed costs, ``NewtonSchulzCost.min_part_cost``)."""
     max_parts: int = 8
     """Most ranks one matrix is split over."""
+    cost: OwnerCost | None = None
+    """Cost of a whole param in ``part_cost``'s units (a 2-D matrix: its part with every
+    column and row); the layer-wise planner then balances owners by it too (plan_layout).
+    None: the request's owner cost, which must then be in ``part_cost``'s units."""
 
     def __post_init__(self) -> None:
         if not callable(self.part_cost):
@@ -66,6 +76,8 @@ class SplitPolicy:
             value = getattr(self, field)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"SplitPolicy.{field} must be an int >= 1, got {value!r}")
+        if self.cost is not None and not callable(self.cost):
+            raise TypeError(f"cost must be a function shape -> float or None, got {self.cost!r}")
         if self.budget is not None and self.budget <= 0:
             raise ValueError(f"budget must be > 0 or None, got {self.budget}")
 
@@ -139,7 +151,9 @@ def plan_splits(
     policy: SplitPolicy,
 ) -> list[MatrixSplit | None]:
     """The split of each matrix (None: its owner orthogonalises it alone), as the module's
-    docstring says; ``owners[i]`` owns ``shapes[i]``. Deterministic."""
+    docstring says; ``owners[i]`` owns ``shapes[i]``; whole params cost ``policy.cost`` (None:
+    ``cost``). Deterministic."""
+    cost = policy.cost if policy.cost is not None else cost
     whole = [float(cost(tuple(s))) for s in shapes]
     groups: list[tuple[tuple[int, ...], tuple[float, ...]]] = [
         ((o,), (c,)) for o, c in zip(owners, whole)
@@ -148,12 +162,23 @@ def plan_splits(
     for o, c in zip(owners, whole):
         loads[o] += c
 
+    limits: dict[int, int] = {}
+
     def limit(i: int) -> int:
+        """Most parts of matrix i: each part at least ``min_cols`` wide and costing at least
+        ``min_part_cost`` (a k-th of its columns and rows; with a fixed cost per part that
+        is more than a k-th of the whole)."""
+        if i in limits:
+            return limits[i]
         if len(shapes[i]) != 2:
             return 1
         m, n = wide(shapes[i])
-        by_cost = int(whole[i] // policy.min_part_cost) if policy.min_part_cost > 0 else dp_size
-        return max(1, min(policy.max_parts, dp_size, m, n // policy.min_cols, by_cost))
+        k = max(1, min(policy.max_parts, dp_size, m, n // policy.min_cols))
+        shape = tuple(shapes[i])
+        while k > 1 and policy.part_cost(shape, n / k, m / k) < policy.min_part_cost:
+            k -= 1
+        limits[i] = k
+        return k
 
     def recut(i: int, k: int) -> tuple[tuple[int, ...], tuple[float, ...], list[float]]:
         new = list(loads)

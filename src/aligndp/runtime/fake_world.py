@@ -15,13 +15,30 @@ this module is the one place that answers them without the other ranks:
   which is all it needs (a fake ``new_group`` synchronises nothing);
 - :func:`side_backend`: the side group of save/load's monitored barrier is made on the fake
   backend (gloo cannot run over the fake store).
+
+The fake backend is not free: its all-gathers and gathers copy the input into every rank's
+slot of the output (one copy per rank: a ZeRO-1 param gather at D = 1,024 is 1,024 copies per
+bucket), which a rehearsal would time as its own step's work (the optimizer phase, where the
+param gather launches). :func:`moving_nothing` hands those collectives empty tensors, so a
+timed step launches each collective once and moves nothing, as the rehearsal promises; the
+probed step (collectives and memory) runs without it.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 
-__all__ = ["FAKE_BACKEND", "gather_objects", "init_fake_world", "is_fake", "side_backend"]
+__all__ = [
+    "COPYING_COLLECTIVES",
+    "FAKE_BACKEND",
+    "gather_objects",
+    "init_fake_world",
+    "is_fake",
+    "moving_nothing",
+    "side_backend",
+]
 
 FAKE_BACKEND = "fake"
 """torch's name of the backend that accepts every collective and moves nothing."""
@@ -56,3 +73,48 @@ def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
 def side_backend() -> str:
     """The backend of the side group of save/load's barrier: gloo, or fake in a rehearsal."""
     return FAKE_BACKEND if is_fake() else "gloo"
+
+
+COPYING_COLLECTIVES = ("all_gather_single", "_allgather_base", "allgather", "gather")
+"""The ``ProcessGroup`` methods whose fake implementation copies into every rank's slot."""
+
+
+def _empty(tensors):
+    if isinstance(tensors, (list, tuple)):
+        return [_empty(t) for t in tensors]
+    return tensors.new_empty(0)
+
+
+@contextlib.contextmanager
+def moving_nothing():
+    """Inside: on the fake backend, :data:`COPYING_COLLECTIVES` run on empty tensors (they are
+    launched and return a ``Work`` to wait on; their outputs keep whatever they held). Enter
+    it only where every group is fake (a rehearsal's timed steps): it patches the
+    ``ProcessGroup`` class of this process."""
+    if not is_fake():
+        raise ValueError(
+            "moving_nothing() stubs the fake backend's copies; the default process group runs "
+            f"on {dist.get_backend() if dist.is_initialized() else 'nothing'}: use it in a "
+            "rehearsal (init_fake_world) only"
+        )
+    cls = dist.ProcessGroup
+    # pybind keeps methods as descriptors in the class dict: restore those, call the functions
+    saved = {n: cls.__dict__.get(n) for n in COPYING_COLLECTIVES if hasattr(cls, n)}
+    calls = {n: getattr(cls, n) for n in saved}
+
+    def quiet(original):
+        def call(self, outputs, inputs, *rest):
+            return original(self, _empty(outputs), _empty(inputs), *rest)
+
+        return call
+
+    for name, original in calls.items():
+        setattr(cls, name, quiet(original))
+    try:
+        yield
+    finally:
+        for name, raw in saved.items():
+            if raw is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, raw)
