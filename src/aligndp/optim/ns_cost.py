@@ -122,9 +122,10 @@ CPU_NS_COST = NewtonSchulzCost(
 H200_NS_COST = NewtonSchulzCost(
     fixed_s=3.0e-05,
     s_per_madd=2.0 / 650e12,
-    source="a guess, not yet measured: 30 us per part per iteration (about six kernel "
-    "launches and casts) and 650 TFLOP/s bf16; replace with benchmarks/ns_calibrate.py "
-    "--device cuda on an H200",
+    source="an estimate: 30 us per part per iteration (about six kernel launches and "
+    "casts) and 650 TFLOP/s bf16; measured on an H100 on 2026-12-07 it planned the best "
+    "balance of three costs (1b at D = 64: 1.079 against 1.237 for the fitted figures; "
+    "benchmarks/results/rehearse_ns_2026-12-07.md), so it stays until an H200 fit does better",
 )
 """One H200 (the GPU the job is planned for by default)."""
 
