@@ -73,6 +73,16 @@ class Job:
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
+    try:
+        _serve(rank, world_size, init_file, conn)
+    except BaseException:  # noqa: BLE001  outside any case: the rank is lost, say why
+        conn.send(("raised", traceback.format_exc()))
+        _leave(1)
+    _leave(0)
+
+
+def _serve(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
+    """Start the rank, then run jobs until the pytest process says stop (or is gone)."""
     import torch
     import torch.distributed as dist
 
@@ -87,20 +97,15 @@ def _rank_main(rank: int, world_size: int, init_file: str, conn: connection.Conn
         try:
             job = conn.recv()
         except EOFError:  # the pytest process is gone
-            job = None
+            break
         if job is None:
             break
-        try:
-            _take_inherited(job)
-            with warnings.catch_warnings():  # the filters as they were, after the job
-                failed = _run_job(rank, world_size, job)
-            start.restore()
-        except BaseException:  # noqa: BLE001  outside any case: the rank is lost, say why
-            conn.send(("raised", traceback.format_exc()))
-            _leave(1)
+        _take_inherited(job)
+        with warnings.catch_warnings():  # the filters as they were, after the job
+            failed = _run_job(rank, world_size, job)
+        start.restore()
         conn.send(("done", failed))
     dist.destroy_process_group()
-    _leave(0)
 
 
 def _leave(code: int) -> None:
@@ -338,7 +343,7 @@ def run_job(job: Job, world_size: int) -> str | None:
     cap = _kept_ranks()  # a wrong value fails before any process starts
     if _fresh():
         world = World(world_size)
-        died, _ = world.run(job)
+        died, _ = _run(world, job)
         if died is None:
             world.close()
         return died
@@ -349,7 +354,7 @@ def run_job(job: Job, world_size: int) -> str | None:
     if world is None:
         _make_room(world_size)  # before it starts: its ranks' memory counts at once
         world = World(world_size)
-    died, failed = world.run(job)
+    died, failed = _run(world, job)
     if died is not None:
         return died
     if failed or world.size > cap:
@@ -358,6 +363,14 @@ def run_job(job: Job, world_size: int) -> str | None:
         _make_room(world.size)
         _KEPT[world_size] = world
     return None
+
+
+def _run(world: World, job: Job) -> tuple[str | None, bool]:
+    try:
+        return world.run(job)
+    except BaseException:  # Ctrl-C in pytest: no rank may outlive the session
+        world.close(at_once=True)
+        raise
 
 
 def _make_room(size: int) -> None:

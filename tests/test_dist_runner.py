@@ -12,48 +12,6 @@ from tests._dist import run_cases
 SELFTEST = "tests._dist_selftest"
 
 
-def test_base_exceptions_fail_only_their_own_case():
-    names = [
-        "case_passes",
-        "case_raises_that_did_not_raise",
-        "case_system_exit",
-        "case_passes_after_failures",
-    ]
-    results = run_cases(SELFTEST, names, 2)
-    assert results["case_passes"] is None and results["case_passes_after_failures"] is None, results
-    assert "rank 1:" in results["case_raises_that_did_not_raise"]
-    assert "DID NOT RAISE" in results["case_raises_that_did_not_raise"]
-    assert (
-        "rank 0:" in results["case_system_exit"] and "SystemExit: 3" in results["case_system_exit"]
-    )
-
-
-def test_a_dead_rank_fails_the_case_it_ran_and_names_it():
-    results = run_cases(SELFTEST, ["case_passes", "case_rank_dies", "case_after_the_death"], 2)
-    assert results["case_passes"] is None, results
-    assert (
-        "ran this case" in results["case_rank_dies"] and "exit code 7" in results["case_rank_dies"]
-    ), results
-    assert (
-        "not run" in results["case_after_the_death"]
-        and "case_rank_dies" in results["case_after_the_death"]
-    )
-
-
-def test_a_case_that_hangs_fails_naming_rank_case_and_the_call_it_waits_in(monkeypatch):
-    """Issue 42 "no hang": past ALIGNDP_CASE_TIMEOUT each rank dumps its stacks (faulthandler)
-    under its rank and case and exits, so the case fails with where every rank waited."""
-    monkeypatch.setenv("ALIGNDP_CASE_TIMEOUT", "4")
-    results = run_cases(SELFTEST, ["case_passes", "case_hangs_in_a_barrier_on_rank_0"], 2)
-    assert results["case_passes"] is None, results
-    error = results["case_hangs_in_a_barrier_on_rank_0"]
-    assert "rank 0 ran case case_hangs_in_a_barrier_on_rank_0" in error, error
-    assert "in barrier" in error and "in case_hangs_in_a_barrier_on_rank_0" in error, error
-
-
-# ---- kept worlds (tests/_worlds.py) ----
-
-
 def pids(tmp_path, tag, ws=2):
     return [int((tmp_path / f"{tag}{r}").read_text()) for r in range(ws)]
 
@@ -74,6 +32,61 @@ def selftest_out(monkeypatch, tmp_path):
     return tmp_path
 
 
+def test_base_exceptions_fail_only_their_own_case(monkeypatch, selftest_out):
+    """A case that fails fails alone, whatever it raised; its world is then given up (a rank
+    that raised between two collectives may leave the others out of step): the next module
+    gets new processes."""
+    names = [
+        "case_writes_its_pid",
+        "case_passes",
+        "case_raises_that_did_not_raise",
+        "case_system_exit",
+        "case_passes_after_failures",
+    ]
+    results = run_tagged(monkeypatch, "failed", names)
+    assert results["case_passes"] is None and results["case_passes_after_failures"] is None, results
+    assert "rank 1:" in results["case_raises_that_did_not_raise"]
+    assert "DID NOT RAISE" in results["case_raises_that_did_not_raise"]
+    assert (
+        "rank 0:" in results["case_system_exit"] and "SystemExit: 3" in results["case_system_exit"]
+    )
+    assert 2 not in _worlds.kept()
+    assert run_tagged(monkeypatch, "next", ["case_writes_its_pid"]) == {"case_writes_its_pid": None}
+    assert not set(pids(selftest_out, "next")) & set(pids(selftest_out, "failed"))
+
+
+def test_a_dead_rank_fails_the_case_it_ran_and_names_it(monkeypatch, selftest_out):
+    """The cases after it are not run, and the next job starts a new world."""
+    names = ["case_writes_its_pid", "case_passes", "case_rank_dies", "case_after_the_death"]
+    results = run_tagged(monkeypatch, "died", names)
+    assert results["case_passes"] is None, results
+    assert (
+        "ran this case" in results["case_rank_dies"] and "exit code 7" in results["case_rank_dies"]
+    ), results
+    assert (
+        "not run" in results["case_after_the_death"]
+        and "case_rank_dies" in results["case_after_the_death"]
+    )
+    assert 2 not in _worlds.kept()
+    after = run_tagged(monkeypatch, "next", ["case_writes_its_pid", "case_passes"])
+    assert after == {"case_writes_its_pid": None, "case_passes": None}, after
+    assert not set(pids(selftest_out, "next")) & set(pids(selftest_out, "died"))
+
+
+def test_a_case_that_hangs_fails_naming_rank_case_and_the_call_it_waits_in(monkeypatch):
+    """Issue 42 "no hang": past ALIGNDP_CASE_TIMEOUT each rank dumps its stacks (faulthandler)
+    under its rank and case and exits, so the case fails with where every rank waited."""
+    monkeypatch.setenv("ALIGNDP_CASE_TIMEOUT", "4")
+    results = run_cases(SELFTEST, ["case_passes", "case_hangs_in_a_barrier_on_rank_0"], 2)
+    assert results["case_passes"] is None, results
+    error = results["case_hangs_in_a_barrier_on_rank_0"]
+    assert "rank 0 ran case case_hangs_in_a_barrier_on_rank_0" in error, error
+    assert "in barrier" in error and "in case_hangs_in_a_barrier_on_rank_0" in error, error
+
+
+# ---- kept worlds (tests/_worlds.py) ----
+
+
 def test_the_next_job_runs_in_the_same_processes_with_their_state_put_back(
     monkeypatch, selftest_out
 ):
@@ -86,29 +99,6 @@ def test_the_next_job_runs_in_the_same_processes_with_their_state_put_back(
     second = run_tagged(monkeypatch, "clean", ["case_sees_a_fresh_process_state"])
     assert second == {"case_sees_a_fresh_process_state": None}, second
     assert pids(selftest_out, "clean") == pids(selftest_out, "dirty")
-
-
-def test_a_world_whose_rank_died_is_started_again(monkeypatch, selftest_out):
-    assert run_tagged(monkeypatch, "before", ["case_writes_its_pid"]) == {
-        "case_writes_its_pid": None
-    }
-    died = run_tagged(monkeypatch, "dies", ["case_rank_dies"])
-    assert "exit code 7" in died["case_rank_dies"], died
-    assert 2 not in _worlds.kept()
-    after = run_tagged(monkeypatch, "after", ["case_writes_its_pid", "case_passes"])
-    assert after == {"case_writes_its_pid": None, "case_passes": None}, after
-    assert not set(pids(selftest_out, "after")) & set(pids(selftest_out, "before"))
-
-
-def test_a_failed_case_gives_up_its_world(monkeypatch, selftest_out):
-    """A rank that raised between two collectives may leave the others out of step: the next
-    module gets new processes."""
-    run_tagged(monkeypatch, "before", ["case_writes_its_pid"])
-    failed = run_tagged(monkeypatch, "fails", ["case_system_exit"])
-    assert "SystemExit: 3" in failed["case_system_exit"], failed
-    assert 2 not in _worlds.kept()
-    run_tagged(monkeypatch, "after", ["case_writes_its_pid"])
-    assert not set(pids(selftest_out, "after")) & set(pids(selftest_out, "before"))
 
 
 def test_fresh_worlds_switch_starts_a_world_per_job_and_leaves_kept_ones(monkeypatch, selftest_out):
