@@ -41,6 +41,7 @@ import random
 import signal
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -173,7 +174,9 @@ def _run_job(rank: int, world_size: int, job: Job) -> bool:
     import torch
     import torch.distributed as dist
 
+    began = time.perf_counter()
     mod = importlib.import_module(job.module)
+    _log_time(rank, world_size, job.module, "(import)", began)
     results: dict[str, str | None] = {}
     out = job.out_dir
     with open(os.path.join(out, f"rank{rank}.stack"), "w") as stacks:
@@ -186,6 +189,7 @@ def _run_job(rank: int, world_size: int, job: Job) -> bool:
             )
             stacks.flush()
             faulthandler.dump_traceback_later(job.case_timeout, exit=True, file=stacks)
+            began = time.perf_counter()
             error = None
             try:
                 getattr(mod, name)(rank, world_size)
@@ -199,10 +203,21 @@ def _run_job(rank: int, world_size: int, job: Job) -> bool:
             if error is None and flag.item():
                 error = f"rank {rank}: another rank failed"
             results[name] = error
+            _log_time(rank, world_size, job.module, name, began)
             _write(os.path.join(out, f"rank{rank}.pkl"), results)  # survives a later crash
             dist.barrier()
     _write(os.path.join(out, f"rank{rank}.current"), None)
     return any(error is not None for error in results.values())
+
+
+def _log_time(rank: int, world_size: int, module: str, name: str, began: float) -> None:
+    """With ``ALIGNDP_TEST_CASE_TIMES=<file>``, rank 0 appends ``seconds<TAB>module[ws]::case``
+    (the case and the ranks' agreement after it): pytest's ``--durations`` sees only the first
+    test of each world size, which waits for the whole job."""
+    path = os.environ.get("ALIGNDP_TEST_CASE_TIMES")
+    if path and rank == 0:
+        with open(path, "a") as f:
+            f.write(f"{time.perf_counter() - began:.2f}\t{module}[{world_size}]::{name}\n")
 
 
 def _write(path: str, obj: object) -> None:

@@ -93,12 +93,21 @@ def test_the_next_job_runs_in_the_same_processes_with_their_state_put_back(
     """Environment, working directory, default dtype, grad mode, threads, deterministic mode,
     matmul precision, warning filters, RNG seeds and Dynamo's compiled code, as
     case_changes_process_state left them, are back as a fresh world has them."""
+    times = selftest_out / "case_times.tsv"
+    monkeypatch.setenv("ALIGNDP_TEST_CASE_TIMES", str(times))
     first = run_tagged(monkeypatch, "dirty", ["case_changes_process_state"])
     assert first == {"case_changes_process_state": None}, first
     assert sorted(_worlds.kept()[2]) == sorted(pids(selftest_out, "dirty"))
     second = run_tagged(monkeypatch, "clean", ["case_sees_a_fresh_process_state"])
     assert second == {"case_sees_a_fresh_process_state": None}, second
     assert pids(selftest_out, "clean") == pids(selftest_out, "dirty")
+    logged = [line.split("\t")[1] for line in times.read_text().splitlines()]
+    assert logged == [
+        "tests._dist_selftest[2]::(import)",
+        "tests._dist_selftest[2]::case_changes_process_state",
+        "tests._dist_selftest[2]::(import)",
+        "tests._dist_selftest[2]::case_sees_a_fresh_process_state",
+    ], logged
 
 
 def test_fresh_worlds_switch_starts_a_world_per_job_and_leaves_kept_ones(monkeypatch, selftest_out):
