@@ -8,7 +8,7 @@ names, a folder for the results) to every rank of the kept world of that size an
 each rank has run it or one has died.
 
 What a job sees is what a freshly spawned world would give it, as far as a process can be put
-back (``[Note: kept worlds]``): before each job a rank takes the pytest process's environment
+back: before each job a rank takes the pytest process's environment
 variables, working directory and ``sys.path`` (what a spawned rank inherits) and reseeds its
 random generators from fresh entropy (torch seeds a new process at random, and so does Python);
 after each job it puts back the default dtype and device, grad mode, anomaly mode,
