@@ -1,94 +1,41 @@
-"""Run many multi-rank test cases inside one gloo process group per world size.
+"""Run many multi-rank test cases inside gloo process groups (tests/_worlds.py keeps one
+world per world size alive for the session): registering the cases, collecting their results.
 
 Spawning processes costs seconds; a test module registers its cases with :func:`case`, and
 :func:`make_tests` creates one pytest test per (case, world size) backed by a module-scoped
-run that starts each world size's process group once (file rendezvous) and runs every case
-in it. A case is a module-level function ``fn(rank, world_size)``; it raises to fail. After
-every case the ranks agree on whether anybody failed, so one rank's error cannot leave the
-others waiting in a collective of the next case.
+run that sends each world size's cases, as one job, to the kept world of that size
+(tests/_worlds.py: started at its first job, reused by later modules with the process state put
+back; ``ALIGNDP_TEST_FRESH_WORLDS=1`` starts one per module and world size instead). A case is a
+module-level function ``fn(rank, world_size)``; it raises to fail. After every case the ranks
+agree on whether anybody failed, so one rank's error cannot leave the others waiting in a
+collective of the next case.
 
 Every failure names its case: a case may raise anything, ``BaseException`` included
 (pytest's ``Failed`` from a ``pytest.raises`` that did not raise, ``SystemExit``), and is
 reported as that case's failure while the other cases of its world size still run. A rank
 that dies outright (``os._exit``, a crash in C++) fails the case it was running, named from a
 progress file each rank writes before every case; the cases after it are reported as not run.
+A case that runs past :func:`case_timeout` on a rank fails with every rank's stacks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import faulthandler
 import os
 import pickle
-import sys
 import tempfile
-import traceback
 from collections.abc import Callable
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-TIMEOUT = datetime.timedelta(seconds=120)
-CASE_TIMEOUT = float(os.environ.get("ALIGNDP_CASE_TIMEOUT", "600"))
-"""Seconds one case may run on a rank before that rank dumps every thread's stack (the call it
-waits in) under the rank and case name, and exits: the case fails naming both, never hangs."""
+from tests._worlds import Job, run_job
 
 
-def _worker(
-    rank: int, world_size: int, init_file: str, out_dir: str, module: str, names: list[str]
-) -> None:
-    import importlib
-
-    # 1 thread per rank; ALIGNDP_TEST_THREADS=2 re-runs the cases with other reduction splits
-    # (tests/models.py [Tolerances])
-    torch.set_num_threads(int(os.environ.get("ALIGNDP_TEST_THREADS", "1")))
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
-    )
-    mod = importlib.import_module(module)
-    results: dict[str, str | None] = {}
-    stacks = open(os.path.join(out_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115  kept open
-    for name in names:
-        _write(os.path.join(out_dir, f"rank{rank}.current"), name)
-        stacks.seek(0)
-        stacks.truncate()
-        stacks.write(f"rank {rank} ran case {name} for over {CASE_TIMEOUT:.0f} s; it waits in:\n")
-        stacks.flush()
-        faulthandler.dump_traceback_later(CASE_TIMEOUT, exit=True, file=stacks)
-        error = None
-        try:
-            getattr(mod, name)(rank, world_size)
-        except KeyboardInterrupt:
-            raise
-        except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported, not swallowed
-            error = f"rank {rank}: " + traceback.format_exc()
-        faulthandler.cancel_dump_traceback_later()
-        flag = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(flag)
-        if error is None and flag.item():
-            error = f"rank {rank}: another rank failed"
-        results[name] = error
-        _write(
-            os.path.join(out_dir, f"rank{rank}.pkl"), results
-        )  # what is done survives a later crash
-        dist.barrier()
-    _write(os.path.join(out_dir, f"rank{rank}.current"), None)
-    dist.destroy_process_group()
-    # Leave without interpreter teardown: about 1 run in 16 aborted there ("terminate called
-    # without an active exception", no Python frame) after every case had passed and the
-    # results were written, failing the whole world size.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _write(path: str, obj: object) -> None:
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(obj, f)
-    os.replace(path + ".tmp", path)
+def case_timeout() -> float:
+    """Seconds one case may run on a rank (``ALIGNDP_CASE_TIMEOUT``, default 600) before that
+    rank dumps every thread's stack (the call it waits in) under the rank and case name, and
+    exits: the case fails naming both, never hangs. Read at each run."""
+    return float(os.environ.get("ALIGNDP_CASE_TIMEOUT", "600"))
 
 
 def _read(path: str, default: object) -> object:
@@ -105,18 +52,8 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
     If a rank process dies, the case it was running gets the error (with the spawn error's
     text) and every case no rank finished gets "not run"; cases finished before keep theirs.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        died = None
-        try:
-            mp.spawn(
-                _worker,
-                args=(world_size, init_file, tmp, module, names),
-                nprocs=world_size,
-                join=True,
-            )
-        except Exception as e:  # noqa: BLE001  a rank process died: name the case it was in
-            died = f"{type(e).__name__}: {e}"
+    with tempfile.TemporaryDirectory(prefix="aligndp-job-") as tmp:
+        died = run_job(Job(module, names, tmp, case_timeout()), world_size)
         merged: dict[str, str | None] = dict.fromkeys(names)
         finished: set[str] = set(names)
         for r in range(world_size):

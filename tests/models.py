@@ -39,7 +39,7 @@ test_ddp and test_muon were re-run with ``ATEN_CPU_CAPABILITY=avx2`` plus
 ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (other vector widths, hence other splits between a kernel's
 vector body and its scalar tail and other FMA contractions; another GEMM blocking), with
 ``ATEN_CPU_CAPABILITY=default`` (no vectors), and with ``ALIGNDP_TEST_THREADS=2`` (two threads
-per rank, tests/_dist.py); test_torch_habits, test_checkpoint and test_whole_matrix with the
+per rank, tests/_worlds.py); test_torch_habits, test_checkpoint and test_whole_matrix with the
 first of these too; every file touched here passed at the defaults. Measured on GPT-2
 with ZeRO-1 (the case that failed at 1.49e-6 on AVX-512 + AMX against a 1e-6 bound): 1.1e-7
 (AVX-512), 9.4e-8 (AVX2), 0 (no vectors), 9.0e-8 (two threads) normwise, against a bound of

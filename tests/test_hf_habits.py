@@ -22,7 +22,7 @@ pooler of a ``BertModel`` whose loss reads only ``last_hidden_state`` — needs
 ``find_unused_parameters=True`` under torch DDP; both leave it untouched (grad None, AdamW
 skips it, no weight decay), which is checked against its initial value.
 
-All cases share one gloo process group of 2 ranks (tests/_dist.py).
+All cases share one gloo process group of 2 ranks (tests/_dist.py, tests/_worlds.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,405 @@
+"""Gloo worlds kept alive for the whole pytest session, one per world size (tests/_dist.py's
+job-running part).
+
+Starting a world costs seconds (every rank imports torch and aligndp), and a session needs
+worlds of 1, 2, 3, 4 and 8 ranks for about 25 modules. So a world, once started, stays and runs
+the next module's cases of its size too: :func:`run_job` sends a job (a module, its case
+names, a folder for the results) to every rank of the kept world of that size and waits until
+each rank has run it or one has died.
+
+What a job sees is what a freshly spawned world would give it, as far as a process can be put
+back: before each job a rank takes the pytest process's environment
+variables, working directory and ``sys.path`` (what a spawned rank inherits) and reseeds its
+random generators from fresh entropy (torch seeds a new process at random, and so does Python);
+after each job it puts back the default dtype and device, grad mode, anomaly mode,
+deterministic algorithms, float32 matmul precision, thread count and warning filters it had at
+start, and resets Dynamo (``torch._dynamo.reset()``). Module-level state of imported libraries
+(aligndp's caches of process groups, Lightning's and accelerate's singletons) stays, as it
+stays between the cases of one module.
+
+A world is given up, and the next job of its size starts a new one, when a rank dies (the job's
+running case fails, the others are not run: tests/_dist.py reports them), when any case of a
+job fails (a rank that raised between two collectives may leave the others' collective
+sequence out of step, which must not fail the next module), or when environment variables that
+only take effect at start (``ATEN_*``, ``OMP_*``, thread counts) differ from the world's.
+
+``ALIGNDP_TEST_KEPT_RANKS`` (default 8) caps the ranks kept alive at once, so memory stays
+bounded: starting a world past the cap first stops the least recently used ones, and a world
+larger than the cap runs its job and stops. ``ALIGNDP_TEST_FRESH_WORLDS=1`` starts a fresh
+world for every job (one per module and world size) and stops it after. Both are read at each
+job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import faulthandler
+import os
+import pickle
+import random
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from multiprocessing import connection, get_context
+
+TIMEOUT = datetime.timedelta(seconds=120)
+"""gloo's timeout for one collective of the runner's own (the world's start, the agreement
+after each case)."""
+
+_START_ONLY_ENV = ("ALIGNDP_TEST_THREADS", "ATEN_", "MKL_", "OMP_", "KMP_", "LD_", "PYTHON")
+"""Prefixes of variables read once, when a rank starts (torch's import, the thread count): a
+world started under other values is not reused."""
+
+
+@dataclass
+class Job:
+    """What every rank of a world runs: ``names`` of ``module`` in order, results under
+    ``out_dir`` (``rank{r}.pkl``, ``.current``, ``.stack``), as a fresh rank would see it."""
+
+    module: str
+    names: list[str]
+    out_dir: str
+    case_timeout: float
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    cwd: str = field(default_factory=os.getcwd)
+    sys_path: list[str] = field(default_factory=lambda: list(sys.path))
+
+
+# ---- the rank's side ----
+
+
+def _rank_main(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
+    try:
+        _serve(rank, world_size, init_file, conn)
+    except BaseException:  # noqa: BLE001  outside any case: the rank is lost, say why
+        conn.send(("raised", traceback.format_exc()))
+        _leave(1)
+    _leave(0)
+
+
+def _serve(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
+    """Start the rank, then run jobs until the pytest process says stop (or is gone)."""
+    import torch
+    import torch.distributed as dist
+
+    # 1 thread per rank; ALIGNDP_TEST_THREADS=2 re-runs the cases with other reduction splits
+    # (tests/models.py [Tolerances])
+    torch.set_num_threads(int(os.environ.get("ALIGNDP_TEST_THREADS", "1")))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
+    )
+    start = _ProcessState()
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the pytest process is gone
+            break
+        if job is None:
+            break
+        _take_inherited(job)
+        with warnings.catch_warnings():  # the filters as they were, after the job
+            failed = _run_job(rank, world_size, job)
+        start.restore()
+        conn.send(("done", failed))
+    dist.destroy_process_group()
+
+
+def _leave(code: int) -> None:
+    # Leave without interpreter teardown: about 1 run in 16 aborted there ("terminate called
+    # without an active exception", no Python frame) after every case had passed and the
+    # results were written, failing the whole world size.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _take_inherited(job: Job) -> None:
+    """What a spawned rank inherits from the pytest process, as of this job; fresh seeds."""
+    import torch
+
+    os.environ.clear()
+    os.environ.update(job.environ)
+    os.chdir(job.cwd)
+    sys.path[:] = job.sys_path
+    torch.seed()
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+class _ProcessState:
+    """The process-wide settings a case may change, as the rank had them at start."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.dtype = torch.get_default_dtype()
+        self.device = torch.get_default_device()
+        self.grad = torch.is_grad_enabled()
+        self.anomaly = torch.is_anomaly_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.matmul = torch.get_float32_matmul_precision()
+        self.threads = torch.get_num_threads()
+
+    def restore(self) -> None:
+        import gc
+
+        import torch
+
+        if "torch._dynamo" in sys.modules:  # imported by a case: drop its compiled code
+            torch._dynamo.reset()
+        torch.set_default_dtype(self.dtype)
+        if torch.get_default_device() != self.device:
+            torch.set_default_device(self.device)
+        torch.set_grad_enabled(self.grad)
+        torch.set_anomaly_enabled(self.anomaly)
+        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+        torch.set_float32_matmul_precision(self.matmul)
+        torch.set_num_threads(self.threads)
+        gc.collect()
+
+
+def _run_job(rank: int, world_size: int, job: Job) -> bool:
+    """Run the job's cases; after each, the ranks agree on whether anybody failed, so one
+    rank's error cannot leave the others waiting in a collective of the next case. True if a
+    case failed (on any rank)."""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    began = time.perf_counter()
+    mod = importlib.import_module(job.module)
+    _log_time(rank, world_size, job.module, "(import)", began)
+    results: dict[str, str | None] = {}
+    out = job.out_dir
+    with open(os.path.join(out, f"rank{rank}.stack"), "w") as stacks:
+        for name in job.names:
+            _write(os.path.join(out, f"rank{rank}.current"), name)
+            stacks.seek(0)
+            stacks.truncate()
+            stacks.write(
+                f"rank {rank} ran case {name} for over {job.case_timeout:.0f} s; it waits in:\n"
+            )
+            stacks.flush()
+            faulthandler.dump_traceback_later(job.case_timeout, exit=True, file=stacks)
+            began = time.perf_counter()
+            error = None
+            try:
+                getattr(mod, name)(rank, world_size)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported
+                error = f"rank {rank}: " + traceback.format_exc()
+            faulthandler.cancel_dump_traceback_later()
+            flag = torch.tensor([0 if error is None else 1])
+            dist.all_reduce(flag)
+            if error is None and flag.item():
+                error = f"rank {rank}: another rank failed"
+            results[name] = error
+            _log_time(rank, world_size, job.module, name, began)
+            _write(os.path.join(out, f"rank{rank}.pkl"), results)  # survives a later crash
+            dist.barrier()
+    _write(os.path.join(out, f"rank{rank}.current"), None)
+    return any(error is not None for error in results.values())
+
+
+def _log_time(rank: int, world_size: int, module: str, name: str, began: float) -> None:
+    """With ``ALIGNDP_TEST_CASE_TIMES=<file>``, rank 0 appends ``seconds<TAB>module[ws]::case``
+    (the case and the ranks' agreement after it): pytest's ``--durations`` sees only the first
+    test of each world size, which waits for the whole job."""
+    path = os.environ.get("ALIGNDP_TEST_CASE_TIMES")
+    if path and rank == 0:
+        with open(path, "a") as f:
+            f.write(f"{time.perf_counter() - began:.2f}\t{module}[{world_size}]::{name}\n")
+
+
+def _write(path: str, obj: object) -> None:
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+# ---- the pytest process's side ----
+
+
+class World:
+    """``size`` rank processes in one gloo process group, waiting for jobs."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.start_env = _start_env()
+        self._tmp = tempfile.TemporaryDirectory(prefix="aligndp-world-")
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        ctx = get_context("spawn")
+        self.conns: list[connection.Connection] = []
+        self.procs = []
+        for rank in range(size):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main, args=(rank, size, init_file, theirs), name=f"rank{rank}"
+            )
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, job: Job) -> tuple[str | None, bool]:
+        """Run ``job`` on every rank: (why a rank is gone or None, whether a case failed). A
+        world with a dead rank is stopped."""
+        for conn in self.conns:
+            try:
+                conn.send(job)
+            except OSError:
+                pass  # a rank is gone already: its exit code says so below
+        waiting = set(range(self.size))
+        raised: dict[int, str] = {}
+        failed = False
+        while waiting:
+            sentinels = [p.sentinel for p in self.procs]
+            for ready in connection.wait([self.conns[r] for r in waiting] + sentinels):
+                if ready in sentinels:
+                    continue
+                r = self.conns.index(ready)
+                try:
+                    what, detail = ready.recv()
+                except EOFError:
+                    continue  # the rank exited: its sentinel says how
+                waiting.discard(r)
+                if what == "raised":  # and it exits
+                    raised[r] = detail
+                    self.procs[r].join(timeout=30)
+                else:
+                    failed = failed or detail
+            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if dead:
+                self.close(at_once=True)
+                why = "; ".join(_death(r, self.procs[r].exitcode, raised.get(r)) for r in dead)
+                return why, True
+        return None, failed
+
+    def close(self, at_once: bool = False) -> None:
+        """Stop every rank: asked to leave (unless ``at_once``), then terminated, then killed."""
+        if not at_once:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+            for proc in self.procs:
+                proc.join(timeout=10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self._tmp.cleanup()
+
+
+def _death(rank: int, code: int, raised: str | None) -> str:
+    """How a rank process ended, in torch.multiprocessing.spawn's words."""
+    how = (
+        f"terminated with signal {signal.Signals(-code).name}"
+        if code < 0
+        else f"terminated with exit code {code}"
+    )
+    return f"process {rank} {how}" + (f" and the following error:\n{raised}" if raised else "")
+
+
+def _start_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_START_ONLY_ENV)}
+
+
+def _fresh() -> bool:
+    return os.environ.get("ALIGNDP_TEST_FRESH_WORLDS", "0") == "1"
+
+
+def _kept_ranks() -> int:
+    raw = os.environ.get("ALIGNDP_TEST_KEPT_RANKS", "8")
+    try:
+        cap = int(raw)
+    except ValueError:
+        cap = -1
+    if cap < 0:
+        raise ValueError(
+            f"ALIGNDP_TEST_KEPT_RANKS={raw!r} is not a whole number >= 0; it caps the ranks "
+            "kept alive between test modules (0 keeps none)"
+        )
+    return cap
+
+
+_KEPT: dict[int, World] = {}
+"""world size -> its kept world, least recently used first."""
+
+
+def run_job(job: Job, world_size: int) -> str | None:
+    """Run ``job`` in a world of ``world_size`` ranks, kept from an earlier job or started now;
+    None, or why a rank died. The world is kept for the next job unless a rank died, a case
+    failed, fresh worlds are asked for (kept ones are then left alone) or it is larger than the
+    cap."""
+    cap = _kept_ranks()  # a wrong value fails before any process starts
+    if _fresh():
+        world = World(world_size)
+        died, _ = _run(world, job)
+        if died is None:
+            world.close()
+        return died
+    world = _KEPT.pop(world_size, None)
+    if world is not None and not (world.alive() and world.start_env == _start_env()):
+        world.close(at_once=True)
+        world = None
+    if world is None:
+        _make_room(world_size)  # before it starts: its ranks' memory counts at once
+        world = World(world_size)
+    died, failed = _run(world, job)
+    if died is not None:
+        return died
+    if failed or world.size > cap:
+        world.close()
+    else:
+        _make_room(world.size)
+        _KEPT[world_size] = world
+    return None
+
+
+def _run(world: World, job: Job) -> tuple[str | None, bool]:
+    try:
+        return world.run(job)
+    except BaseException:  # Ctrl-C in pytest: no rank may outlive the session
+        world.close(at_once=True)
+        raise
+
+
+def _make_room(size: int) -> None:
+    """Stop the least recently used kept worlds until ``size`` more ranks fit the cap."""
+    while _KEPT and sum(w.size for w in _KEPT.values()) + size > _kept_ranks():
+        _KEPT.pop(next(iter(_KEPT))).close()
+
+
+def kept() -> dict[int, list[int]]:
+    """World size -> the process ids of its kept ranks (tests/test_dist_runner.py)."""
+    return {size: w.pids for size, w in _KEPT.items()}
+
+
+@atexit.register
+def _close_all() -> None:
+    while _KEPT:
+        _KEPT.popitem()[1].close()
