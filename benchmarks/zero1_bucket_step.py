@@ -18,7 +18,8 @@ GPT-like sizes, AdamW (foreach on CPU, fused on CUDA), three forms:
 
 Figures: ``host_ms``, the time until the last ``step()`` returns (on CUDA kernels are queued,
 so this is the host's share), and ``wall_ms``, until the device is done too; the median over
-``--iters`` after ``--warmup``. JSON lines, then the ratios to ``one`` per bucket count.
+``--iters`` after ``--warmup``, the forms taking turns. JSON lines, then the ratios to
+``one`` per bucket count.
 """
 
 from __future__ import annotations
@@ -89,22 +90,27 @@ def forms(groups: list[list[torch.Tensor]], options: dict):
     return {"one": step_one, "per_bucket": step_per_bucket, "per_optim": step_per_optim}
 
 
-def measure(fn, device: torch.device, iters: int, warmup: int) -> tuple[float, float]:
-    """Median (host_ms, wall_ms) of ``fn``."""
-    host, wall = [], []
+def measure(
+    steps: dict, device: torch.device, iters: int, warmup: int
+) -> dict[str, tuple[float, float]]:
+    """Median (host_ms, wall_ms) of each of ``steps``, run in turn within every iteration (so
+    a busy machine slows every form alike)."""
+    host: dict[str, list[float]] = {name: [] for name in steps}
+    wall: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if i >= warmup:
-            host.append((t1 - t0) * 1e3)
-            wall.append((t2 - t0) * 1e3)
-    return statistics.median(host), statistics.median(wall)
+        for name, fn in steps.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if i >= warmup:
+                host[name].append((t1 - t0) * 1e3)
+                wall[name].append((t2 - t0) * 1e3)
+    return {n: (statistics.median(host[n]), statistics.median(wall[n])) for n in steps}
 
 
 def main() -> None:
@@ -121,10 +127,8 @@ def main() -> None:
     ratios = {}
     for buckets in args.buckets:
         groups, options = build(args.numel, buckets, args.pieces, device, device.type == "cuda")
-        results = {}
-        for name, fn in forms(groups, options).items():
-            host, wall = measure(fn, device, args.iters, args.warmup)
-            results[name] = (host, wall)
+        results = measure(forms(groups, options), device, args.iters, args.warmup)
+        for name, (host, wall) in results.items():
             print(
                 json.dumps(
                     {

@@ -303,6 +303,11 @@ class CompositeOptimizer(DataParallelOptimizer):
         self.gather.launch_rest()
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as ``model.zero_grad()``: drop every gradient for the next step (the gradients
+        live in the model's buffers, so the optimizer's zero_grad must reach the model)."""
+        self.model.zero_grad(set_to_none=set_to_none)
+
     # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
     def _part_of(self, name: str) -> OptimizerPart:
         for part in self.parts:

@@ -32,13 +32,13 @@ owner (ZeRO-1's classic recipe: the update is computed and accumulated in fp32, 
 of 4 more bytes per element, fp32 optimizer state and two casts per step); False steps every
 param in its own dtype, as ``sharding="none"`` does and as torch DDP + a torch optimizer on a
 bf16 model do (state in the param dtype), so switching sharding keeps the numerics. One
-predicate, :func:`keeps_fp32_master`, decides it for :class:`ShardedPart` and for
+predicate, :func:`~aligndp.runtime.masters.keeps_fp32_master`, decides it for every bucket
+(the build step ``attach_masters`` in aligndp/build.py), so for :class:`ShardedPart` and
 :class:`~aligndp.optim.whole_matrix.WholeMatrixPart` alike. Checkpoints hold fp32 values
 either way ([Note: model-space state]), so a run resumes under the other setting. A param
 gathered in FP8 ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py) always has a
 separate fp32 master, even an fp32 param (``param_data`` receives the decoded gather): the
-gather encodes from it, and nothing is cast back. The build step ``attach_masters``
-(aligndp/build.py) decides it, for every bucket, with :func:`keeps_fp32_master`.
+gather encodes from it, and nothing is cast back.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
-from aligndp.runtime.masters import Master, keeps_fp32_master, refresh_master
+from aligndp.runtime.masters import Master, refresh_master
 from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
@@ -65,7 +65,6 @@ from aligndp.state.model_space import (
 __all__ = [
     "bucket_masters_of",
     "check_elementwise",
-    "keeps_fp32_master",
     "ShardedPart",
     "ShardedOptimizer",
 ]

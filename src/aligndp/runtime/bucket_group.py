@@ -68,6 +68,8 @@ class BucketGroup:
         self.coded = coded if coded is not None and ref in coded.buckets else None
         """Encodes and decodes this bucket's gather ([Note: FP8 param gather]), if it is
         low-precision."""
+        self._grad = self.buffer.bucket_grad(ref.bucket)  # buffers are never reallocated
+        self._param = self.buffer.bucket_param(ref.bucket) if self.gathers else None
         self.countdown = len(self.params)
         """Params still to arrive before the gradient collective may start."""
         self.reducing = False
@@ -90,7 +92,7 @@ class BucketGroup:
     # ---- gradients ----
     def grad(self) -> torch.Tensor:
         """The bucket's elements of ``grad_data``."""
-        return self.buffer.bucket_grad(self.ref.bucket)
+        return self._grad
 
     def launch_reduce(self, grad: torch.Tensor) -> None:
         """Start the bucket's gradient mean over the ranks (in place; a no-op on one rank)."""
@@ -131,8 +133,7 @@ class BucketGroup:
         if self.coded is not None:  # [Note: FP8 param gather]: encode, then gather
             self._gather_work = self.coded.launch(self.ref, self._sources)
         elif self.collectives.dp_size > 1:
-            bucket = self.buffer.bucket_param(self.ref.bucket)
-            self._gather_work = self.collectives.all_gather_shards(bucket)
+            self._gather_work = self.collectives.all_gather_shards(self._param)
         if waiter is not None and self._gather_work is not None:
             # [Note: reads wait for the gather] in wrapped_param.py
             mark_pending(self.params, waiter)
