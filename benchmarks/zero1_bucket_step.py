@@ -121,7 +121,12 @@ def main() -> None:
     ap.add_argument("--pieces", type=int, default=24, help="masters per bucket")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
+    )
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     label = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     ratios = {}

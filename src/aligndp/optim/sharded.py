@@ -19,12 +19,18 @@ the grad buffer's dtype differs.
 The inner torch optimizer steps every bucket's masters in one ``step()``: one multi-tensor
 (foreach or fused) update over all of them, after which the composite launches each bucket's
 gather (cast back first) in forward order. Stepping bucket by bucket, so that bucket k's
-gather overlaps bucket k+1's update, costs one ``step()`` per bucket: its per-call host
-work (param groups, state lookups, the foreach grouping by device and dtype) is paid per
-bucket, and the fused kernels see shorter lists. On CPU that measured 1.14-1.45x the host
-time of one step over the same masters (benchmarks/zero1_bucket_step.py), for an overlap
-that an elementwise update (memory-bound, short next to the gathers) barely needs; the
-layer-wise part, whose Newton–Schulz is long, does step per bucket ([Note: layer-wise step]).
+gather overlaps bucket k+1's update, costs one ``step()`` per bucket: its per-call host work
+(param groups, state lookups, the foreach grouping by device and dtype, and binding each
+bucket's grads alone, as the layer-wise part does) is paid per bucket, for an overlap that an
+elementwise update (memory-bound, short next to the gathers) barely needs; the layer-wise
+part, whose Newton–Schulz is long, does step per bucket ([Note: layer-wise step]). One
+step also keeps one inner optimizer, so ``state_dict`` and checkpoints keep their layout.
+benchmarks/zero1_bucket_step.py measures the forms; on a shared 2-core CPU (2026-12-07,
+200 k elements in 48 masters per bucket, one thread; benchmarks/results/
+2026-12-07_zero1_bucket_step.md) one optimizer stepped per bucket took 1.07-1.31x the host
+time of one step at 2-8 buckets in the quieter run, one optimizer per bucket 0.90-1.12x:
+within that machine's noise (the same form at 1 bucket read 0.98-2.3x). The CUDA figure
+(``--device cuda --numel 62000000 --buckets 1 2 4``) is still to be taken.
 
 [Note: master weights]
 ``parallelize(master_weights=...)``: True keeps an fp32 master of every 16-bit param on its
