@@ -28,7 +28,7 @@ step also keeps one inner optimizer, so ``state_dict`` and checkpoints keep thei
 benchmarks/zero1_bucket_step.py measures the forms; on a shared 2-core CPU (2026-12-07,
 200 k elements in 48 masters per bucket, one thread; benchmarks/results/
 2026-12-07_zero1_bucket_step.md) one optimizer stepped per bucket took 1.07-1.31x the host
-time of one step at 2-8 buckets in the quieter run, one optimizer per bucket 0.90-1.12x:
+time of one step at 2-8 buckets in the quieter run, one optimizer per bucket 0.90-1.09x:
 within that machine's noise (the same form at 1 bucket read 0.98-2.3x). The CUDA figure
 (``--device cuda --numel 62000000 --buckets 1 2 4``) is still to be taken.
 
