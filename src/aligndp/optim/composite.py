@@ -82,9 +82,10 @@ class OptimizerPart(abc.ABC):
 
     @abc.abstractmethod
     def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
-        """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
-        bucket calls ``bucket_stepped(ref)`` after each of its buckets, so that
-        bucket's all-gather overlaps the next one's step; the composite gathers the rest.
+        """Step what this rank owns (the buckets' masters reach ``param_data`` when each
+        bucket's gather launches). A part that steps bucket by bucket calls
+        ``bucket_stepped(ref)`` after each of its buckets, so that bucket's all-gather overlaps
+        the next one's step; the composite gathers the rest.
         ``step_kwargs``: the user's ``opt.step(**kwargs)``, for each inner ``step()``."""
 
     @abc.abstractmethod
