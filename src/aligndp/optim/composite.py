@@ -8,9 +8,9 @@ for them: a whole-matrix optimizer such as Muon
 (:class:`ReplicatedPart`). Its ``step()`` reads top-down ([Note: one step, top-down]): the
 model's reduced gradients, one global norm, each part's step, each bucket's gather, through
 the model's :class:`~aligndp.runtime.param_gather.ParamGather` (the model owns it; the
-composite calls into it; the model calls nothing of the optimizer). Checkpoints see it through the
-model-space methods of [Note: model-space state] (aligndp/state/model_space.py), which it
-forwards to the part that holds each param.
+composite calls into it; the model calls nothing of the optimizer). Checkpoints see it
+through the model-space methods of [Note: model-space state] (aligndp/state/model_space.py),
+which it forwards to the part that holds each param.
 """
 
 from __future__ import annotations
@@ -278,10 +278,9 @@ class CompositeOptimizer(DataParallelOptimizer):
            bucket's in one multi-tensor step ([Note: one ZeRO-1 step] in optim/sharded.py),
            the layer-wise part bucket by bucket, launching each one's gather as soon as it
            is stepped (``launch_stepped``); then ``launch_rest`` launches every other
-           bucket's, in forward order. A bucket's
-           launch casts its masters back into ``param_data`` and hands an FP8 gather the
-           masters it encodes, then starts the all-gather, waited for now or, with
-           ``overlap_param_gather``, by the next forward.
+           bucket's, in forward order. A bucket's launch casts its masters back into
+           ``param_data`` and hands an FP8 gather the masters it encodes, then starts the
+           all-gather, waited for now or, with ``overlap_param_gather``, by the next forward.
         The model calls nothing of the optimizer, and the optimizer installs nothing in it.
         """
         loss = None
