@@ -40,7 +40,7 @@ from _bench import (
 
 import aligndp
 from aligndp.models.gpt import PRESETS
-from aligndp.optim.sharded import keeps_fp32_master
+from aligndp.runtime.masters import keeps_fp32_master
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

@@ -4,8 +4,12 @@ tools/step_trace.py traces one ZeRO-1 AdamW step (2 gloo ranks, overlapped param
 ``loss.backward(); opt.step(); opt.zero_grad()``) and counts the files, functions and call
 edges between ``optim/`` and ``runtime/`` it enters. Before issue 40: 14 files, 63 functions,
 8 crossings, one of them the reducer calling into the optimizer (``reduction_listeners`` ->
-``CompositeOptimizer._on_reduced``), and ``parallelize()`` 91 lines of code. The bounds below
-are today's figures; the issue's goals (8 files, 2 crossings) are lower still.
+``CompositeOptimizer._on_reduced``), and ``parallelize()`` 91 lines of code. Since the masters
+live with the model's buckets (a bucket's gather casts them back and feeds an FP8 gather) and
+``finish_grad_sync()`` waits for the param gathers, the step crosses three times (zero_grad,
+finish_grad_sync, launch_rest) and enters 12 files (the composite's own zero_grad leaves
+optim/base.py out, the groups' kept bucket views runtime/buffer.py). The bounds below are
+today's figures; the issue's goals (8 files, 2 crossings) are lower still.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import sys
 
 TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
-MAX_FILES = 14
-MAX_CROSSINGS = 6
+MAX_FILES = 12
+MAX_CROSSINGS = 3
 MAX_PARALLELIZE_LINES = 60
 
 

@@ -305,6 +305,32 @@ class Tiny(nn.Module):
         return self.lin(x)
 
 
+@case(2)
+def case_masters_live_with_the_buckets(rank, ws):
+    """[Note: masters with the buckets]: the ZeRO-1 part steps exactly the masters its buckets
+    keep, one per non-empty owned piece (the plan's ``OwnedPiece``s of this rank, buffer by
+    buffer), fp32 copies of the bf16 params; a bucket's gather launch casts them back into
+    ``param_data`` (and the optimizer installs no hook on the model)."""
+    net = make_net().to(torch.bfloat16)
+    hooks_before = len(net._forward_pre_hooks)
+    model, opt = aligndp.parallelize(net, sharding="zero1", lr=1e-2, bucket_numel=200)
+    kept = [m for g in model.groups if g.masters for m in g.masters]
+    assert {id(m) for m in opt.masters} == {id(m) for m in kept}, "the part's own masters"
+    planned = [piece for buf in model.flat_buffers for piece in buf.layout.owned_pieces(rank)]
+    assert sorted((m.piece.name, m.piece.start) for m in kept) == sorted(
+        (piece.name, piece.start) for piece in planned
+    )
+    assert all(m.cast_back and m.master.dtype == torch.float32 for m in kept)
+    assert len(net._forward_pre_hooks) == hooks_before, "the optimizer installs no hook"
+    with torch.no_grad():
+        for m in kept:
+            m.master.fill_(0.5)
+    model.param_gather.launch_rest()
+    model.param_gather.wait_all()
+    for p in model.module.parameters():
+        assert torch.equal(p.detach(), torch.full_like(p, 0.5)), "cast back, then gathered"
+
+
 @case(4)
 def case_fewer_params_than_ranks(rank, ws):
     model, opt = aligndp.parallelize(Tiny(), sharding="zero1", lr=1e-1)

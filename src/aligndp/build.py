@@ -5,9 +5,14 @@
     plan_request  the model's shapes + Inputs -> PlanRequest ([Note: one plan request])
     DataParallel  model + PlanRequest -> buffers, the param index, one group per bucket and
                   the wrapper over them (aligndp/runtime/ddp.py)
+    attach_masters  the wrapper + Inputs -> each bucket's masters of this rank's owned pieces
+                  (``bucket.masters``, [Note: masters with the buckets] in
+                  aligndp/runtime/masters.py)
     optimizer_parts  the wrapper + Inputs -> the optimizer parts (ZeRO-1, whole-matrix,
-                  replicated)
+                  replicated), stepping the buckets' masters
     build_optimizer  parts -> the one torch-optimizer face over them
+    first_gather  the wrapper -> FP8 gathers run once, so the first forward reads gathered
+                  weights (last: it reads the masters)
 
 Each step reads only what the step before returned; nothing below calls back up here while
 building. [Note: one plan request] (aligndp/plan/request.py): :func:`plan_request` is the one
@@ -36,6 +41,7 @@ from aligndp.plan.spec import (
 )
 from aligndp.runtime.ddp import DataParallel, DDPConfig
 from aligndp.runtime.gather_codec import GatherCodec
+from aligndp.runtime.masters import bucket_masters
 from aligndp.runtime.mesh import data_parallel_groups
 from aligndp.user_input import (
     check_fp8_param_gather,
@@ -48,8 +54,10 @@ __all__ = [
     "Inputs",
     "read_inputs",
     "gather_codec",
+    "attach_masters",
     "optimizer_parts",
     "build_optimizer",
+    "first_gather",
 ]
 
 
@@ -223,10 +231,32 @@ def gather_codec(model: nn.Module, fp8_param_gather: bool) -> GatherCodec | None
     return Fp8TensorGatherCodec(model)
 
 
+def attach_masters(ddp: DataParallel, inputs: Inputs) -> None:
+    """Step 4: each bucket that gathers params keeps the masters of this rank's owned pieces
+    (fp32 copies of 16-bit params unless ``master_weights=False``, and of FP8-gathered ones;
+    else the ``param_data`` views), which the optimizer parts step and its gather casts back."""
+    for group in ddp.groups:
+        if group.gathers:
+            group.keep_masters(
+                bucket_masters(
+                    group.buffer, group.slots, group.params, master_weights=inputs.master_weights
+                )
+            )
+
+
+def first_gather(ddp: DataParallel) -> None:
+    """Step 7, last (it reads the masters): with FP8 param gathers ([Note: FP8 param gather] in
+    aligndp/runtime/gather_codec.py) every bucket is gathered once now, so that from the first
+    forward on the layers read gathered weights; nothing to do otherwise."""
+    if ddp.param_gather.coded is not None:
+        ddp.param_gather.launch_rest()
+        ddp.param_gather.wait_all()
+
+
 def optimizer_parts(
     ddp: DataParallel, inputs: Inputs, routing: Routing | None
 ) -> list[OptimizerPart]:
-    """Step 4: the optimizer parts over the wrapped model's buffers."""
+    """Step 5: the optimizer parts over the wrapped model's buffers and their masters."""
     named = dict(ddp.module.named_parameters())
     if inputs.spec is not None:
         return _whole_matrix_parts(
@@ -237,7 +267,6 @@ def optimizer_parts(
             inputs.sharding == "zero1",
             inputs.options,
             inputs.adamw_options,
-            master_weights=inputs.master_weights,
         )
     if inputs.sharding == "zero1":
         sharded = ShardedPart(
@@ -245,7 +274,6 @@ def optimizer_parts(
             ddp.buffers_for(Mode.SHARDED),
             inputs.opt_class,
             groups=inputs.groups,
-            master_weights=inputs.master_weights,
             **inputs.options,
         )
         return [sharded]
@@ -259,7 +287,7 @@ def optimizer_parts(
 def build_optimizer(
     ddp: DataParallel, parts: list[OptimizerPart], inputs: Inputs, routing: Routing | None
 ) -> DataParallelOptimizer:
-    """Step 5: the one torch-optimizer face over ``parts`` (ZeRO-1 alone: a
+    """Step 6: the one torch-optimizer face over ``parts`` (ZeRO-1 alone: a
     :class:`~aligndp.optim.sharded.ShardedOptimizer`, which shows its masters)."""
     if inputs.spec is None and inputs.sharding == "zero1":
         return ShardedOptimizer(ddp, parts[0], max_grad_norm=inputs.max_grad_norm)
@@ -274,12 +302,9 @@ def _whole_matrix_parts(
     zero1: bool,
     whole_kwargs: dict,
     adamw_kwargs: dict,
-    *,
-    master_weights: bool,
 ) -> list[OptimizerPart]:
     """The whole-matrix part and the AdamW part; each of ``groups`` is cut into its
-    whole-matrix and its AdamW params, with the same options. ``master_weights`` goes to the
-    zero1 parts (the replicated ones step params in their dtype)."""
+    whole-matrix and its AdamW params, with the same options."""
     named = dict(ddp.module.named_parameters())
 
     def cut(names: tuple[str, ...]) -> list[ParamGroup]:
@@ -298,7 +323,6 @@ def _whole_matrix_parts(
                 spec,
                 groups=cut(routing.whole),
                 options=whole_kwargs,
-                master_weights=master_weights,
             )
         )
     elif routing.whole:
@@ -313,7 +337,6 @@ def _whole_matrix_parts(
                 sharded,
                 torch.optim.AdamW,
                 groups=cut(routing.adamw),
-                master_weights=master_weights,
                 **adamw_kwargs,
             )
         )

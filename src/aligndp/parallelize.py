@@ -1,7 +1,7 @@
 """``parallelize()``: the one door. A short pipeline of named build steps (aligndp/build.py):
 
-    inputs -> plan -> buffers, buckets and the wrapper (DataParallel) -> optimizer parts
-    -> the optimizer
+    inputs -> plan -> buffers, buckets and the wrapper (DataParallel) -> the buckets'
+    masters -> optimizer parts -> the optimizer -> the first (FP8) gather
 
 [Note: one plan request] (aligndp/plan/request.py): :func:`plan_request` is the one place a
 model and parallelize's arguments become a :class:`~aligndp.plan.request.PlanRequest`;
@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligndp.build import build_optimizer, gather_codec, optimizer_parts, read_inputs
+from aligndp.build import (
+    attach_masters,
+    build_optimizer,
+    first_gather,
+    gather_codec,
+    optimizer_parts,
+    read_inputs,
+)
 from aligndp.optim.base import DataParallelOptimizer
 from aligndp.optim.groups import ParamGroupsArg
 from aligndp.optim.registry import resolve_optimizer
@@ -247,5 +254,8 @@ def parallelize(
         plan=request,
         gather_codec=gather_codec(model, fp8_param_gather),
     )
+    attach_masters(ddp, inputs)  # each bucket's masters of this rank's owned pieces
     parts = optimizer_parts(ddp, inputs, routing)
-    return ddp, build_optimizer(ddp, parts, inputs, routing)
+    optimizer = build_optimizer(ddp, parts, inputs, routing)
+    first_gather(ddp)  # last: FP8 gathers read the masters
+    return ddp, optimizer

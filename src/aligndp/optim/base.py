@@ -157,9 +157,10 @@ def global_grad_norm(
 class DataParallelOptimizer(torch.optim.Optimizer):
     """Base class: wraps inner torch optimizers and the :class:`DataParallel` they serve.
 
-    Subclasses implement :meth:`step`. ``torch.optim.Optimizer.__init__`` runs (hooks, step
-    patching, defaults) over the inner optimizers' own groups, which it does not copy: the
-    inner optimizers own the params, groups and state; this object only forwards to them.
+    Subclasses implement :meth:`step` and :meth:`zero_grad` (the composite, which one step
+    enters anyway). ``torch.optim.Optimizer.__init__`` runs (hooks, step patching, defaults)
+    over the inner optimizers' own groups, which it does not copy: the inner optimizers own
+    the params, groups and state; this object only forwards to them.
     """
 
     def __init__(self, model: DataParallel, inner: list[torch.optim.Optimizer]) -> None:
@@ -197,10 +198,6 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     @state.setter
     def state(self, value) -> None:  # Optimizer internals may assign; the inner ones own it
         pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Same as ``model.zero_grad()``: drop every gradient for the next step."""
-        self.model.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         if self._constructing:

@@ -5,20 +5,17 @@ params with its inner torch optimizer(s) and knows which reduced gradients this 
 for them: a whole-matrix optimizer such as Muon
 (:class:`~aligndp.optim.whole_matrix.WholeMatrixPart`), ZeRO-1 over an elementwise optimizer
 (:class:`~aligndp.optim.sharded.ShardedPart`), or a replicated optimizer
-(:class:`ReplicatedPart`). The composite finishes the gradient sync once, clips every part
-by one global norm (one all-reduce), steps each part — handing it the callback that starts a
-bucket's param all-gather as soon as the part has stepped that bucket — and all-gathers
-every sharded and layer-wise buffer once, after the step or overlapped with the next forward,
-through the model's :class:`~aligndp.runtime.param_gather.ParamGather` (the model owns it;
-the composite calls into it). Checkpoints see it through the
-model-space methods of [Note: model-space state] (aligndp/state/model_space.py), which it
-forwards to the part that holds each param.
+(:class:`ReplicatedPart`). Its ``step()`` reads top-down ([Note: one step, top-down]): the
+model's reduced gradients, one global norm, each part's step, each bucket's gather, through
+the model's :class:`~aligndp.runtime.param_gather.ParamGather` (the model owns it; the
+composite calls into it; the model calls nothing of the optimizer). Checkpoints see it
+through the model-space methods of [Note: model-space state] (aligndp/state/model_space.py),
+which it forwards to the part that holds each param.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,7 +26,6 @@ from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.step_state import BucketRef, ReducedGrads, StepState
 from aligndp.runtime.wrapped_param import as_parameters, steps_in_place
 from aligndp.state.model_space import (
@@ -87,15 +83,11 @@ class OptimizerPart(abc.ABC):
 
     @abc.abstractmethod
     def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
-        """Step what this rank owns; values land in ``param_data``. A part that steps bucket by
-        bucket calls ``bucket_stepped(ref)`` after each of its buckets, so that
-        bucket's all-gather overlaps the next one's step; the composite gathers the rest.
+        """Step what this rank owns (the buckets' masters reach ``param_data`` when each
+        bucket's gather launches). A part that steps bucket by bucket calls
+        ``bucket_stepped(ref)`` after each of its buckets, so that bucket's all-gather overlaps
+        the next one's step; the composite gathers the rest.
         ``step_kwargs``: the user's ``opt.step(**kwargs)``, for each inner ``step()``."""
-
-    def gather_sources(self) -> Sources:
-        """id(param) -> the master a coded param gather encodes for this rank's piece of it
-        ([Note: FP8 param gather]); none by default."""
-        return {}
 
     @abc.abstractmethod
     def owned_range(self, name: str) -> tuple[int, int]:
@@ -219,15 +211,6 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
         """The model's param gather, which this optimizer calls into after each step."""
         self._shown_epoch = -1
         """The reduction whose gradients the parts' tensors show ([Note: grads shown on read])."""
-        if self.gather.coded is not None:  # [Note: FP8 param gather]: from the first forward
-            self.gather.launch_rest(self._sources())  # on, layers read gathered weights
-            self.gather.wait_all()
-
-    def _sources(self) -> Sources:
-        """The parts' masters a coded param gather encodes (none without one)."""
-        if self.gather.coded is None:
-            return {}
-        return {k: v for part in self.parts for k, v in part.gather_sources().items()}
 
     def _show_grads(self) -> None:
         """[Note: grads shown on read]
@@ -239,7 +222,7 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
         for the same reduction, after which nothing is shown over them."""
         if self.model.state is not StepState.REDUCED:
             return
-        grads = self.model.finish_grad_sync()  # REDUCED: the last reduction's view, nothing run
+        grads = self.model.reducer.reduced()  # the last reduction's view; gathers keep flying
         if grads.epoch != self._shown_epoch:
             self._shown_epoch = grads.epoch
             for part in self.parts:
@@ -247,7 +230,6 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
 
     def _prepare(self, grads: ReducedGrads) -> None:
         """Bind every part's gradients from ``grads`` (idempotent for one view)."""
-        self.gather.wait_all()  # the previous gather reads the shards we are about to write
         self._shown_epoch = grads.epoch
         for part in self.parts:
             part.prepare_grads(grads)
@@ -286,30 +268,50 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
     def step(self, closure=None, **kwargs):
         """torch's ``step``: ``closure`` (forward and backward, returning the loss) runs first,
         with grad, and its loss is returned; ``kwargs`` go to every inner optimizer's ``step``
-        (as ``ZeroRedundancyOptimizer.step`` passes them on)."""
+        (as ``ZeroRedundancyOptimizer.step`` passes them on).
+
+        [Note: one step, top-down]
+        1. reduced grads: ``model.finish_grad_sync()``, the one call into the model before the
+           update (it waits for the param gathers still in flight, which read the shards
+           this step writes, and returns the read-only :class:`ReducedGrads`); agreed
+           non-finite gradients skip the step or raise on every rank;
+        2. clip: every part binds its gradients to what it steps and, with ``max_grad_norm``,
+           scales them by one global norm (one all-reduce);
+        3. per bucket: each part steps the masters its buckets keep
+           ([Note: masters with the buckets] in aligndp/runtime/masters.py) — ZeRO-1 every
+           bucket's in one multi-tensor step ([Note: one ZeRO-1 step] in optim/sharded.py),
+           the layer-wise part bucket by bucket, launching each one's gather as soon as it
+           is stepped (``launch_stepped``); then ``launch_rest`` launches every other
+           bucket's, in forward order. A bucket's launch casts its masters back into
+           ``param_data`` and hands an FP8 gather the masters it encodes, then starts the
+           all-gather, waited for now or, with ``overlap_param_gather``, by the next forward.
+        The model calls nothing of the optimizer, and the optimizer installs nothing in it.
+        """
         self._join_check_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = self.model.finish_grad_sync()  # the step's one call: the reduced grads' view
-        if self.model.nonfinite is not None:
+        grads = self.model.finish_grad_sync()  # 1. the reduced grads' view
+        if grads.nonfinite is not None:
             if self.model.config.on_nonfinite == "skip":
                 self.skipped_steps += 1
                 return loss
-            raise FloatingPointError(self.model.nonfinite)
-        if self.max_grad_norm is not None:
+            raise FloatingPointError(grads.nonfinite)
+        if self.max_grad_norm is not None:  # 2. bind, clip
             self._clip(self.max_grad_norm, grads)
         else:
             self._prepare(grads)
-        sources = self._sources()
-        for part in self.parts:
-            part.step_owned(
-                functools.partial(self.gather.launch_stepped, sources=sources), **kwargs
-            )
+        for part in self.parts:  # 3. step the buckets' masters, cast back, gather
+            part.step_owned(self.gather.launch_stepped, **kwargs)
         self.model.data_touched.clear()
-        self.gather.launch_rest(sources)
+        self.gather.launch_rest()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as ``model.zero_grad()``: drop every gradient for the next step (the gradients
+        live in the model's buffers, so the optimizer's zero_grad must reach the model)."""
+        self.model.zero_grad(set_to_none=set_to_none)
 
     # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
     def _part_of(self, name: str) -> OptimizerPart:
@@ -343,7 +345,7 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
         for part, count in zip(self.parts, counts):
             part.load_model_space_state_dict(sd | {"param_groups": groups[:count]})
             groups = groups[count:]
-        self.gather.launch_rest(self._sources())
+        self.gather.launch_rest()
         self.gather.wait_all()
 
     # ---- reporting ----

@@ -6,12 +6,31 @@ in DESIGN.md). Padding is never stepped — only real elements are in pieces —
 ranks the pieces partition the real elements of every buffer exactly once, which is also
 what lets a checkpoint write each element once (aligndp/state/checkpoint.py).
 
-Each piece gets a master tensor the torch optimizer steps ([Note: master weights]): for
-fp32 params, and for every param with ``master_weights=False``, the master *is* the
+Each piece's master (:class:`~aligndp.runtime.masters.Master`) is kept by its bucket
+(``bucket.masters``, [Note: masters with the buckets] in aligndp/runtime/masters.py), which
+casts it back into ``param_data`` when its gather launches; this part steps them. For fp32
+params, and for every param with ``master_weights=False``, the master *is* the
 ``param_data`` view (no copy, no cast back); for 16-bit params with ``master_weights=True``
-(the default of ``sharding="zero1"``) it is a view of one fp32 flat tensor per buffer, cast
-back into ``param_data`` after every step. Gradients are the reduce-scattered ``grad_data``
-views, cast to the master's dtype only where the grad buffer's dtype differs.
+(the default of ``sharding="zero1"``) it is a view of one fp32 flat tensor per bucket.
+Gradients are the reduce-scattered ``grad_data`` views, cast to the master's dtype only where
+the grad buffer's dtype differs.
+
+[Note: one ZeRO-1 step]
+The inner torch optimizer steps every bucket's masters in one ``step()``: one multi-tensor
+(foreach or fused) update over all of them, after which the composite launches each bucket's
+gather (cast back first) in forward order. Stepping bucket by bucket, so that bucket k's
+gather overlaps bucket k+1's update, costs one ``step()`` per bucket: its per-call host work
+(param groups, state lookups, the foreach grouping by device and dtype, and binding each
+bucket's grads alone, as the layer-wise part does) is paid per bucket, for an overlap that an
+elementwise update (memory-bound, short next to the gathers) barely needs; the layer-wise
+part, whose Newton–Schulz is long, does step per bucket ([Note: layer-wise step]). One
+step also keeps one inner optimizer, so ``state_dict`` and checkpoints keep their layout.
+benchmarks/zero1_bucket_step.py measures the forms; on a shared 2-core CPU (2026-12-07,
+200 k elements in 48 masters per bucket, one thread; benchmarks/results/
+2026-12-07_zero1_bucket_step.md) one optimizer stepped per bucket took 1.07-1.31x the host
+time of one step at 2-8 buckets in the quieter run, one optimizer per bucket 0.90-1.09x:
+within that machine's noise (the same form at 1 bucket read 0.98-2.3x). The CUDA figure
+(``--device cuda --numel 62000000 --buckets 1 2 4``) is still to be taken.
 
 [Note: master weights]
 ``parallelize(master_weights=...)``: True keeps an fp32 master of every 16-bit param on its
@@ -19,7 +38,8 @@ owner (ZeRO-1's classic recipe: the update is computed and accumulated in fp32, 
 of 4 more bytes per element, fp32 optimizer state and two casts per step); False steps every
 param in its own dtype, as ``sharding="none"`` does and as torch DDP + a torch optimizer on a
 bf16 model do (state in the param dtype), so switching sharding keeps the numerics. One
-predicate, :func:`keeps_fp32_master`, decides it for :class:`ShardedPart` and for
+predicate, :func:`~aligndp.runtime.masters.keeps_fp32_master`, decides it for every bucket
+(the build step ``attach_masters`` in aligndp/build.py), so for :class:`ShardedPart` and
 :class:`~aligndp.optim.whole_matrix.WholeMatrixPart` alike. Checkpoints hold fp32 values
 either way ([Note: model-space state]), so a run resumes under the other setting. A param
 gathered in FP8 ([Note: FP8 param gather] in aligndp/runtime/gather_codec.py) always has a
@@ -29,7 +49,6 @@ gather encodes from it, and nothing is cast back.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -37,12 +56,11 @@ import torch
 from aligndp.optim.base import is_elementwise, resolve_optimizer_class
 from aligndp.optim.composite import BucketStepped, CompositeOptimizer, OptimizerPart
 from aligndp.optim.groups import ParamGroup
-from aligndp.plan.slots import OwnedPiece
 from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.grads import ShardedGrad
+from aligndp.runtime.masters import Master, refresh_master
 from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
@@ -51,8 +69,8 @@ from aligndp.state.model_space import (
 )
 
 __all__ = [
+    "bucket_masters_of",
     "check_elementwise",
-    "keeps_fp32_master",
     "ShardedPart",
     "ShardedOptimizer",
 ]
@@ -81,56 +99,15 @@ def check_elementwise(opt_class: type[torch.optim.Optimizer], options: dict | No
         )
 
 
-def keeps_fp32_master(param_dtype: torch.dtype, *, master_weights: bool) -> bool:
-    """True when a param of ``param_dtype`` is stepped through a separate fp32 master copy
-    ([Note: master weights]); False: the optimizer steps the param's own storage."""
-    return master_weights and param_dtype != torch.float32
-
-
-@dataclasses.dataclass
-class _Master:
-    """What the optimizer steps for one owned piece: its master, bound to the param it belongs
-    to and its buffer (the piece itself is plain data: :class:`~aligndp.plan.slots.OwnedPiece`)."""
-
-    piece: OwnedPiece
-    param: torch.nn.Parameter
-    buffer: FlatBuffer
-    master: torch.Tensor
-    cast_back: bool
-    """True when the master is a separate fp32 copy (16-bit params with master_weights, and
-    FP8-gathered params), False when it is the param_data view."""
-    group: int
-    coded: bool = False
-    """Gathered in FP8: the gather encodes the master and decodes into ``param_data``, so the
-    step does not cast it back."""
-    sharded_grad: ShardedGrad = dataclasses.field(init=False)
-    """The master's ``.grad`` between a reduction and the step (made once: it is immutable)."""
-    owned_grad: torch.Tensor | None = None
-    """The owned slice of the reduced gradient (a view of the grad buffer, which is never
-    reallocated), taken from the first :class:`ReducedGrads` and kept."""
-
-    def __post_init__(self) -> None:
-        self.sharded_grad = ShardedGrad(self.master)
-
-
-def refresh_master(
-    master: torch.Tensor, param: torch.Tensor, written: torch.Tensor | None = None
-) -> None:
-    """``master`` (fp32) takes ``param``'s value wherever the param differs from what the step
-    last wrote into it: ``written`` (an FP8 gather's decoded value) or the master's cast."""
-    written = master.to(param.dtype) if written is None else written
-    master.copy_(torch.where(param == written, master, param.float()))
-
-
 class ShardedPart(OptimizerPart):
     """ZeRO-1 over ``buffers`` (sharded :class:`FlatBuffer` s of ``model``): a part of a
     :class:`~aligndp.optim.composite.CompositeOptimizer`.
 
-    The inner torch optimizer steps this rank's masters, one torch param group per
-    :class:`~aligndp.optim.groups.ParamGroup` (a group this rank owns nothing of gets a
-    grad-less zero-size placeholder, so ``param_groups`` match on every rank).
-    ``master_weights``: fp32 masters for 16-bit params (True) or each param stepped in its own
-    dtype (False) ([Note: master weights]).
+    The inner torch optimizer steps this rank's masters, those of the buffers' buckets
+    (``bucket.masters``, [Note: masters with the buckets] in aligndp/runtime/masters.py), one
+    torch param group per :class:`~aligndp.optim.groups.ParamGroup` (a group this rank owns
+    nothing of gets a grad-less zero-size placeholder, so ``param_groups`` match on every
+    rank).
     """
 
     elementwise_state = True  # [Note: model-space state]: state shaped like a piece is per-element
@@ -142,7 +119,6 @@ class ShardedPart(OptimizerPart):
         opt_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
         groups: Sequence[ParamGroup] | None = None,
-        master_weights: bool = True,
         **optimizer_kwargs,
     ) -> None:
         for buf in buffers:
@@ -152,7 +128,6 @@ class ShardedPart(OptimizerPart):
                 )
         self.model = model
         self.rank, self.dp_size = model.rank, model.dp_size
-        self.master_weights = master_weights
         self.buffers = list(buffers)
         self.names = [s.name for b in self.buffers for s in sorted(b.slots, key=lambda s: s.index)]
         if groups is None:
@@ -161,65 +136,34 @@ class ShardedPart(OptimizerPart):
         check_elementwise(opt_class, optimizer_kwargs)
         for g in groups:
             check_elementwise(opt_class, optimizer_kwargs | g.options)
-        masters = [m for buf in self.buffers for m in self._bind(buf, group_of)]
-        self.masters = sorted(masters, key=lambda m: m.group)  # group-major: inner param order
+        masters = bucket_masters_of(model, self.buffers)
+        self.masters: list[Master] = sorted(masters, key=lambda m: group_of[m.piece.name])
+        """This rank's masters, group-major (the inner optimizer's param order)."""
+        self._shown = [ShardedGrad(m.master) for m in self.masters]
+        """Each master's ``.grad`` between a reduction and the step (immutable: made once)."""
         self._piece_names: list[str | None] = []
         torch_groups = []
         for i, g in enumerate(groups):
-            masters = [p.master for p in self.masters if p.group == i]
-            self._piece_names += [p.piece.name for p in self.masters if p.group == i] or [None]
+            mine = [m for m in self.masters if group_of[m.piece.name] == i]
+            self._piece_names += [m.piece.name for m in mine] or [None]
             torch_groups.append(
-                {"params": masters or [torch.zeros(0, device=self._device)], **g.options}
+                {"params": [m.master for m in mine] or [torch.zeros(0, device=self._device)]}
+                | g.options
             )
         self.inner = [opt_class(torch_groups, **optimizer_kwargs)]
         mine = set(self.names)
         self._group_names = [[n for n in g.names if n in mine] for g in groups]
-        self._versions = {id(p.param): p.param._version for p in self.masters if p.cast_back}
+        self._versions = {id(m.param): m.param._version for m in self.masters if m.cast_back}
         self._prepared: ReducedGrads | None = None
 
     @property
     def _device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
 
-    def _bind(self, buf: FlatBuffer, group_of: dict[str, int]) -> list[_Master]:
-        owned = buf.layout.owned_pieces(self.rank)
-        params = {s.index: p for p, s in zip(buf.params, buf.slots)}
-        coded = buf.gather_data is not None  # [Note: FP8 param gather]: masters always
-        if not coded and not keeps_fp32_master(
-            buf.layout.param_dtype, master_weights=self.master_weights
-        ):
-            flat, cursor = None, None  # masters are the param_data views themselves
-        else:
-            flat = torch.empty(sum(s.numel for s in owned), dtype=torch.float32, device=buf.device)
-            cursor = 0
-        masters = []
-        for s in owned:
-            if flat is None:
-                master = buf.param_data[s.start : s.end]
-            else:
-                master = flat[cursor : cursor + s.numel]
-                master.copy_(buf.param_data[s.start : s.end])
-                cursor += s.numel
-            masters.append(
-                _Master(
-                    s,
-                    params[s.index],
-                    buf,
-                    master,
-                    cast_back=flat is not None,
-                    group=group_of[s.name],
-                    coded=coded,
-                )
-            )
-        return masters
-
-    def gather_sources(self) -> Sources:
-        return {id(p.param): p.master for p in self.masters if p.coded}
-
     # ---- the part interface (aligndp/optim/composite.py) ----
     def show_grads(self, grads: ReducedGrads) -> None:
-        for p in self.masters:
-            p.master.grad = p.sharded_grad if grads.has_grad(p.param) else None
+        for m, shown in zip(self.masters, self._shown):
+            m.master.grad = shown if grads.has_grad(m.param) else None
 
     @torch.no_grad()
     def _refresh_masters(self) -> None:
@@ -228,18 +172,16 @@ class ShardedPart(OptimizerPart):
         ``p.data`` access is noted by the DataParallel) give their fp32 masters the new values
         (elements still equal to the master's cast keep the master), so the step does not
         write old weights back."""
-        for p in self.masters:
-            if p.cast_back and (
-                p.param._version != self._versions[id(p.param)]
-                or p.param in self.model.data_touched
+        for m in self.masters:
+            if m.cast_back and (
+                m.param._version != self._versions[id(m.param)]
+                or m.param in self.model.data_touched
             ):
-                decoded = self.model.param_gather.coded.decoded(p.param) if p.coded else None
+                decoded = self.model.param_gather.coded.decoded(m.param) if m.coded else None
                 refresh_master(
-                    p.master,
-                    p.buffer.param_data[p.piece.start : p.piece.end],
-                    None if decoded is None else decoded[p.piece.lo : p.piece.hi],
+                    m.master, m.view, None if decoded is None else decoded[m.piece.lo : m.piece.hi]
                 )
-                self._versions[id(p.param)] = p.param._version
+                self._versions[id(m.param)] = m.param._version
 
     @torch.no_grad()
     def prepare_grads(self, grads: ReducedGrads) -> None:
@@ -250,18 +192,17 @@ class ShardedPart(OptimizerPart):
             grads.check()
             return
         self._refresh_masters()
-        for p in self.masters:
-            if grads.has_grad(p.param):
-                g = p.owned_grad
-                if g is None:
-                    g = p.owned_grad = grads.owned(p.param)
-                p.master.grad = g if g.dtype == p.master.dtype else g.to(p.master.dtype)
+        has = grads.has  # taken just now by the composite: current
+        for m in self.masters:
+            if has is None or m.param in has:
+                g = m.grad
+                m.master.grad = g if g.dtype == m.master.dtype else g.to(m.master.dtype)
             else:
-                p.master.grad = None
+                m.master.grad = None
         self._prepared = grads
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.master.grad for p in self.masters if p.master.grad is not None]
+        return [m.master.grad for m in self.masters if m.master.grad is not None]
 
     @torch.no_grad()
     def local_grad_sq_sum(self) -> torch.Tensor:
@@ -274,41 +215,35 @@ class ShardedPart(OptimizerPart):
 
     @torch.no_grad()
     def scale_grads(self, max_norm: float, total_norm: torch.Tensor) -> None:
-        torch.nn.utils.clip_grads_with_norm_([p.master for p in self.masters], max_norm, total_norm)
+        torch.nn.utils.clip_grads_with_norm_([m.master for m in self.masters], max_norm, total_norm)
 
     @torch.no_grad()
     def step_owned(self, bucket_stepped: BucketStepped, **step_kwargs) -> None:
-        """Inner optimizer step on the masters, cast back into ``param_data``, drop the grads
-        (one step over every bucket: the composite gathers them all afterwards)."""
+        """One inner step over every bucket's masters ([Note: one ZeRO-1 step]); the grads are
+        dropped, and each bucket's gather (launched by the composite) casts its masters back."""
         assert self._prepared is not None, "the composite prepares the grads before the step"
         self.inner[0].step(**step_kwargs)
-        low = [p for p in self.masters if p.cast_back and not p.coded]
-        if low:
-            torch._foreach_copy_(
-                [p.buffer.param_data[p.piece.start : p.piece.end] for p in low],
-                [p.master for p in low],
-            )
-        for p in self.masters:
-            p.master.grad = None  # never leave an alias of grad_data behind
+        for m in self.masters:
+            m.master.grad = None  # never leave an alias of grad_data behind
         self._prepared = None
 
     # ---- model-space state ([Note: model-space state] in aligndp/state/model_space.py) ----
     def owned_range(self, name: str) -> tuple[int, int]:
         """``[lo, hi)`` of the flattened param ``name`` this rank steps; ``(0, 0)`` if none."""
-        for p in self.masters:
-            if p.piece.name == name:
-                return p.piece.lo, p.piece.hi
+        for m in self.masters:
+            if m.piece.name == name:
+                return m.piece.lo, m.piece.hi
         return 0, 0
 
     def model_space_state_dict(self) -> dict[str, object]:
         """Owned params (fp32, whatever the master's dtype) and optimizer state keyed by param
         name; see aligndp/state/checkpoint.py."""
-        extents = {p.piece.name: (p.piece.offset, p.param.numel()) for p in self.masters}
+        extents = {m.piece.name: (m.piece.offset, m.param.numel()) for m in self.masters}
         sd: dict[str, object] = {
-            f"param.{p.piece.name}": FlatPiece(
-                p.master.detach().float(), p.piece.offset, p.param.numel()
+            f"param.{m.piece.name}": FlatPiece(
+                m.master.detach().float(), m.piece.offset, m.param.numel()
             )
-            for p in self.masters
+            for m in self.masters
         }
         return sd | torch_state_to_model_space(
             self.inner[0],
@@ -322,11 +257,26 @@ class ShardedPart(OptimizerPart):
     def load_model_space_state_dict(self, sd: dict[str, object]) -> None:
         """Inverse of :meth:`model_space_state_dict` for this rank's (possibly different) ownership;
         the composite all-gathers afterwards."""
-        for p in self.masters:
-            piece = sd[f"param.{p.piece.name}"]
-            p.master.copy_(piece.tensor)
-            p.buffer.param_data[p.piece.start : p.piece.end].copy_(p.master)
+        for m in self.masters:
+            m.master.copy_(sd[f"param.{m.piece.name}"].tensor)
+            m.view.copy_(m.master)
         model_space_to_torch_state(self.inner[0], self._piece_names, sd)
+
+
+def bucket_masters_of(model: DataParallel, buffers: Sequence[FlatBuffer]) -> list[Master]:
+    """The masters the buckets of ``buffers`` keep (``bucket.masters``), buffer by buffer in
+    bucket order; a ValueError if the build step ``attach_masters`` did not run."""
+    masters: list[Master] = []
+    for buf in buffers:
+        groups = sorted((g for g in model.groups if g.buffer is buf), key=lambda g: g.ref.bucket)
+        for g in groups:
+            if g.masters is None:
+                raise ValueError(
+                    f"bucket {g.ref} keeps no masters yet: attach them before building an "
+                    "optimizer part (aligndp.build.attach_masters, which parallelize() runs)"
+                )
+            masters += g.masters
+    return masters
 
 
 class ShardedOptimizer(CompositeOptimizer):
@@ -339,5 +289,5 @@ class ShardedOptimizer(CompositeOptimizer):
         super().__init__(model, [part], max_grad_norm=max_grad_norm)
 
     @property
-    def masters(self) -> list[_Master]:
+    def masters(self) -> list[Master]:
         return self.parts[0].masters

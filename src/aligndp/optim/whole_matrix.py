@@ -19,7 +19,8 @@ gradient (the other views hold garbage). One step of :class:`WholeMatrixPart` is
 3. all-gather: owners' shards of ``param_data`` go to every rank. With
    ``WholeMatrixSpec.step_per_bucket`` steps 2 and 3 go bucket by bucket: bucket k's
    all-gather (started through the composite's ``bucket_stepped`` hook) runs while bucket
-   k+1 is stepped.
+   k+1 is stepped. Each bucket's launch first casts its fp32 masters back into ``param_data``
+   ([Note: masters with the buckets] in aligndp/runtime/masters.py).
 
 Its state is whole ([Note: model-space state]): held by the owner, saved with its own shape.
 The maths is the torch optimizer's; this file only decides ownership and moves data.
@@ -35,14 +36,14 @@ import torch.nn as nn
 
 from aligndp.optim.composite import BucketStepped, OptimizerPart, sum_of_squares
 from aligndp.optim.groups import ParamGroup
-from aligndp.optim.sharded import keeps_fp32_master, refresh_master
+from aligndp.optim.sharded import bucket_masters_of
 from aligndp.optim.split_ns import SplitMatrix, global_split_ranks, split_groups
 from aligndp.plan.routing import MuonFilter
 from aligndp.plan.spec import Mode, OwnerCost
 from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.gather_codec import Sources
 from aligndp.runtime.grads import ShardedGrad
+from aligndp.runtime.masters import refresh_master
 from aligndp.runtime.step_state import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
@@ -138,9 +139,10 @@ class WholeMatrixPart(OptimizerPart):
     :class:`~aligndp.optim.composite.CompositeOptimizer`.
 
     ``params`` are its params as ``(name, param)`` in registration order; each must sit in a
-    layerwise buffer of ``model``. ``options`` go to ``spec.optimizer_class``.
-    ``master_weights``: fp32 masters for 16-bit params (True) or each param stepped in its own
-    dtype (False), as :class:`~aligndp.optim.sharded.ShardedPart` ([Note: master weights]).
+    layerwise buffer of ``model``. ``options`` go to ``spec.optimizer_class``. An owned
+    param with a separate fp32 master in its bucket (``bucket.masters``,
+    [Note: masters with the buckets] in aligndp/runtime/masters.py; [Note: master weights] in
+    optim/sharded.py) is stepped through it; every other param is stepped as itself.
     """
 
     elementwise_state = False  # [Note: model-space state]: the owner holds every state whole
@@ -153,7 +155,6 @@ class WholeMatrixPart(OptimizerPart):
         *,
         groups: Sequence[ParamGroup] | None = None,
         options: dict | None = None,
-        master_weights: bool = True,
     ) -> None:
         layerwise = set(model.index.refs_of(Mode.LAYERWISE))
         owner = {id(p): s.slot.owner for p, s in model.index.slots.items() if s.ref in layerwise}
@@ -167,19 +168,14 @@ class WholeMatrixPart(OptimizerPart):
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.owners = [owner[id(p)] for p in self.params]
-        self.master_weights = master_weights
-        coded = model.param_gather.coded
-        self.coded = {  # [Note: FP8 param gather]: an fp32 master whatever the param's dtype
-            id(p) for p in self.params if coded is not None and coded.handles(p)
-        }
-        # a 16-bit param with master_weights is stepped through an fp32 master copy, made only
-        # where this rank owns it
+        buffers = list(dict.fromkeys(model.index.buffer(ref) for ref in layerwise))
+        masters = {id(m.param): m for m in bucket_masters_of(model, buffers)}
+        self.coded = {k for k, m in masters.items() if m.coded}  # [Note: FP8 param gather]
+        # an owned 16-bit param with master_weights (or gathered in FP8) is stepped through
+        # the fp32 master its bucket keeps
         self.targets = [
-            p.detach().float().clone()
-            if o == model.rank
-            and (id(p) in self.coded or keeps_fp32_master(p.dtype, master_weights=master_weights))
-            else p
-            for p, o in zip(self.params, self.owners)
+            masters[id(p)].master if id(p) in masters and masters[id(p)].cast_back else p
+            for p in self.params
         ]
         groups = groups or [ParamGroup(tuple(self.names), {})]
         tensors = dict(zip(self.names, self.targets))
@@ -233,13 +229,6 @@ class WholeMatrixPart(OptimizerPart):
         """Indices (into ``names``/``params``) of the params this rank steps."""
         return [i for i, o in enumerate(self.owners) if o == self.model.rank]
 
-    def gather_sources(self) -> Sources:
-        return {
-            id(p): t.view(-1)
-            for p, t in zip(self.params, self.targets)
-            if id(p) in self.coded and t is not p
-        }
-
     def show_grads(self, grads: ReducedGrads) -> None:
         for i in self.owned:
             if self.targets[i] is not self.params[i]:  # a 16-bit param's fp32 master
@@ -290,7 +279,7 @@ class WholeMatrixPart(OptimizerPart):
 
     def _step(self, members: list[int], grads: dict[int, torch.Tensor], **step_kwargs) -> None:
         """Step ``members`` that have a gradient (the shared ones with their groups, the rest
-        by the torch optimizer); cast their masters back into ``param_data``."""
+        by the torch optimizer); their bucket's gather casts the masters back."""
         reduced = self._prepared  # every rank agrees on which params have a gradient
         for i in members:
             if i in self.splits and reduced is not None and reduced.has_grad(self.params[i]):
@@ -301,10 +290,7 @@ class WholeMatrixPart(OptimizerPart):
         if mine:
             self.inner[0].step(**step_kwargs)
         for i in (i for i in members if i in grads):
-            self.targets[i].grad = None
-            if self.targets[i] is not self.params[i] and id(self.params[i]) not in self.coded:
-                self.params[i].copy_(self.targets[i])  # fp32 master -> its view in param_data
-                self._versions[i] = self.params[i]._version
+            self.targets[i].grad = None  # its bucket's gather casts the master back
 
     def _split_step(self, i: int, grad: torch.Tensor | None) -> None:
         """Matrix i's step shared with its group; the owner hands in its gradient."""

@@ -9,9 +9,11 @@ owns everything that happens to that bucket at run time:
   start ([Note: bucket readiness] in DESIGN.md), reset from the last synchronised backward;
 - the gradient reduction: :meth:`launch_reduce` (all-reduce or reduce-scatter, mean) and
   :meth:`wait_reduce`, with ``reducing`` true in between;
-- the param all-gather of sharded and layer-wise buffers: :meth:`launch_gather` and
-  :meth:`wait_gather` (the pending classes of [Note: reads wait for the gather] set and
-  cleared with it); the forward pre-hooks of
+- the masters of this rank's owned pieces (``masters``, [Note: masters with the buckets] in
+  masters.py), which an optimizer steps;
+- the param all-gather of sharded and layer-wise buffers: :meth:`launch_gather` (casting the
+  masters back into ``param_data`` first) and :meth:`wait_gather` (the pending classes of
+  [Note: reads wait for the gather] set and cleared with it); the forward pre-hooks of
   :class:`~aligndp.runtime.param_gather.ParamGather` wait on groups.
 
 The gradient reducer (grad_sync.py) decides *when* a group launches (strictly in position
@@ -32,6 +34,7 @@ from aligndp.plan.spec import Mode
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collectives import Collectives, Work
 from aligndp.runtime.gather_codec import CodedGather, GatherCodec, Sources, coded_gather
+from aligndp.runtime.masters import Master
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex
 from aligndp.runtime.wrapped_param import PendingWaiter, mark_pending, settle
 
@@ -65,6 +68,8 @@ class BucketGroup:
         self.coded = coded if coded is not None and ref in coded.buckets else None
         """Encodes and decodes this bucket's gather ([Note: FP8 param gather]), if it is
         low-precision."""
+        self._grad = self.buffer.bucket_grad(ref.bucket)  # buffers are never reallocated
+        self._param = self.buffer.bucket_param(ref.bucket) if self.gathers else None
         self.countdown = len(self.params)
         """Params still to arrive before the gradient collective may start."""
         self.reducing = False
@@ -75,6 +80,11 @@ class BucketGroup:
         grad_landing.py): set per round by the reducer from the last round's arrivals."""
         self.deferred: list[tuple[int, torch.Tensor]] = []
         """(param index, gradient) waiting for that copy."""
+        self.masters: tuple[Master, ...] | None = None
+        """This rank's masters of the bucket's owned pieces, once :meth:`keep_masters` set them
+        (the build step ``attach_masters``); None before."""
+        self._cast_back: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._sources: Sources = {}
         self._reduce_work: Work | None = None
         self._gather_work: Work | None = None
         self._marked = False  # its params were marked pending by the gather in flight
@@ -82,7 +92,7 @@ class BucketGroup:
     # ---- gradients ----
     def grad(self) -> torch.Tensor:
         """The bucket's elements of ``grad_data``."""
-        return self.buffer.bucket_grad(self.ref.bucket)
+        return self._grad
 
     def launch_reduce(self, grad: torch.Tensor) -> None:
         """Start the bucket's gradient mean over the ranks (in place; a no-op on one rank)."""
@@ -103,17 +113,27 @@ class BucketGroup:
         self.reducing = False
 
     # ---- params ----
-    def launch_gather(self, waiter: PendingWaiter | None, sources: Sources) -> None:
-        """Start the bucket's param all-gather; with ``waiter`` (overlapped with the next
-        forward) its params are pending until :meth:`wait_gather`. ``sources``: what a coded
-        gather encodes ([Note: FP8 param gather])."""
+    def keep_masters(self, masters: tuple[Master, ...]) -> None:
+        """Keep ``masters`` (:func:`~aligndp.runtime.masters.bucket_masters` of this bucket):
+        each launch casts the separate ones back and an FP8 gather encodes the coded ones."""
+        self.masters = masters
+        low = [m for m in masters if m.cast_back and not m.coded]
+        self._cast_back = ([m.view for m in low], [m.master for m in low])
+        self._sources = {id(m.param): m.master.view(-1) for m in masters if m.coded}
+
+    def launch_gather(self, waiter: PendingWaiter | None) -> None:
+        """Cast the bucket's masters back into ``param_data`` and start its param all-gather;
+        with ``waiter`` (overlapped with the next forward) its params are pending until
+        :meth:`wait_gather`. A coded gather encodes the coded masters
+        ([Note: FP8 param gather])."""
         if not self.gathers:
             return
+        if self._cast_back[0]:  # [Note: masters with the buckets] in masters.py
+            torch._foreach_copy_(*self._cast_back)
         if self.coded is not None:  # [Note: FP8 param gather]: encode, then gather
-            self._gather_work = self.coded.launch(self.ref, sources)
+            self._gather_work = self.coded.launch(self.ref, self._sources)
         elif self.collectives.dp_size > 1:
-            bucket = self.buffer.bucket_param(self.ref.bucket)
-            self._gather_work = self.collectives.all_gather_shards(bucket)
+            self._gather_work = self.collectives.all_gather_shards(self._param)
         if waiter is not None and self._gather_work is not None:
             # [Note: reads wait for the gather] in wrapped_param.py
             mark_pending(self.params, waiter)

@@ -67,9 +67,7 @@ from aligndp.plan.spec import (
 from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
 from aligndp.runtime.bucket_group import bucket_groups
 from aligndp.runtime.buffer import FlatBuffer
-from aligndp.runtime.collective_backends import (
-    make_collectives,
-)
+from aligndp.runtime.collective_backends import make_collectives
 from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.compiled_overlap import CompiledOverlap
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
@@ -285,7 +283,7 @@ class DataParallel(nn.Module, JoinableModel):
 
     @property
     def nonfinite(self) -> str | None:
-        """The agreed message of the last reduction when a gradient was not finite, else None."""
+        """The last reduction's agreed message when a gradient was not finite, else None."""
         return self.reducer.nonfinite
 
     @property
@@ -294,9 +292,10 @@ class DataParallel(nn.Module, JoinableModel):
         return self.reducer.last_round
 
     def finish_grad_sync(self) -> ReducedGrads:
-        """Launch what is left, wait, agree, publish ``param.grad`` (runs by itself at the end
-        of every synchronised backward; a no-op then) and return the read-only view of the
-        reduced gradients ([Note: reduced grads view])."""
+        """Wait for param gathers in flight (a step writes the shards), launch what is left,
+        wait, agree, publish ``param.grad`` (by itself at the end of every synchronised
+        backward) and return the reduced gradients' view ([Note: reduced grads view])."""
+        self.param_gather.wait_all()
         return self.reducer.finish_grad_sync()
 
     def no_sync(self):

@@ -387,5 +387,7 @@ class GradReducer(Reduction):
                 full = len(self._published) == len(self.params)
                 has = None if full else frozenset(self.params[k] for k in self._published)
             settle = functools.partial(self.landing.settle, self)  # owed copies: grad_landing
-            view = self._view = ReducedGrads(self, self.epoch, self.index, has, settle=settle)
+            view = self._view = ReducedGrads(
+                self, self.epoch, self.index, has, nonfinite=self.nonfinite, settle=settle
+            )
         return view

@@ -13,7 +13,8 @@ Timeline with ``overlap=True`` (NCCL runs collectives on its own stream, gloo on
 While a bucket's gather is in flight its params are *pending*
 ([Note: reads wait for the gather] in wrapped_param.py): any read of one outside its module's
 forward (an EMA, a weight norm, an evaluation through another module) waits for that bucket
-first. The next ``step()``, checkpoints and ``model.wait_for_params()`` call
+first. ``model.finish_grad_sync()`` (what the next ``step()`` reads first), checkpoints and
+``model.wait_for_params()`` call
 :meth:`ParamGather.wait_all`. Buckets of buffers planned with a ``gather_dtype`` go through
 a :class:`~aligndp.runtime.gather_codec.CodedGather` ([Note: FP8 param gather]): encoded
 before their gather, decoded into ``param_data`` when it is waited for (their groups do it).
@@ -21,19 +22,16 @@ before their gather, decoded into ``param_data`` when it is waited for (their gr
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterable, Sequence
 
 import torch.nn as nn
 
 from aligndp.runtime.bucket_group import BucketGroup
 from aligndp.runtime.collectives import Collectives
-from aligndp.runtime.gather_codec import CodedGather, Sources
+from aligndp.runtime.gather_codec import CodedGather
 from aligndp.runtime.step_state import BucketRef, ParamIndex
 
 __all__ = ["ParamGather"]
-
-_NO_SOURCES: Sources = types.MappingProxyType({})
 
 
 class ParamGather:
@@ -42,8 +40,9 @@ class ParamGather:
 
     The model owns one (``DataParallel.param_gather``, built with it over its groups, with
     the forward pre-hooks of ``overlap`` installed then); the optimizer calls into it:
-    :meth:`launch_stepped` / :meth:`launch_rest` after each step and :meth:`wait_all` before
-    writing the shards again.
+    :meth:`launch_stepped` / :meth:`launch_rest` after each step (each bucket's launch casts
+    its masters back first), and ``model.finish_grad_sync()`` waits for them all before a
+    step writes the shards again.
     Buckets are named by :class:`~aligndp.runtime.step_state.BucketRef`, as on the gradient
     side; groups of buffers without ``param_data`` (replicated) hold no params to gather.
     """
@@ -65,7 +64,7 @@ class ParamGather:
         self.module = module
         self.coded: CodedGather | None = next((g.coded for g in groups if g.coded), None)
         """The groups' low-precision gathers, if any ([Note: FP8 param gather]): each launch
-        takes the optimizer's masters as its sources."""
+        encodes its bucket's coded masters ([Note: masters with the buckets] in masters.py)."""
         self.collectives = collectives
         self.dp_size = collectives.dp_size
         self.overlap = overlap
@@ -111,30 +110,29 @@ class ParamGather:
             if groups:
                 self.hooks.append(m.register_forward_pre_hook(_WaitsFor(groups)))
 
-    def launch_stepped(self, ref: BucketRef, sources: Sources = _NO_SOURCES) -> None:
+    def launch_stepped(self, ref: BucketRef) -> None:
         """Start the gather of a bucket the optimizer has just stepped (layer-wise Muon steps
-        one bucket at a time, so this gather overlaps the next bucket's step). ``sources``:
-        the optimizer's masters a coded gather encodes ([Note: FP8 param gather])."""
-        self.launch_bucket(ref, sources)
+        one bucket at a time, so this gather overlaps the next bucket's step)."""
+        self.launch_bucket(ref)
         self._launched.add(ref)
 
-    def launch_rest(self, sources: Sources = _NO_SOURCES) -> None:
+    def launch_rest(self) -> None:
         """Start every bucket not started since the last call, in :attr:`order` (forward
         order, the same on every rank); wait for all unless overlapping the next forward."""
         for key in self.order:
             if key not in self._launched:
-                self.launch_bucket(key, sources)
+                self.launch_bucket(key)
         self._launched.clear()
         if not self.overlap:
             self.wait_all()
 
-    def launch_bucket(self, key: BucketRef, sources: Sources = _NO_SOURCES) -> None:
-        """Start one bucket's all-gather now (every rank must start the same buckets in the
-        same order)."""
+    def launch_bucket(self, key: BucketRef) -> None:
+        """Cast one bucket's masters back and start its all-gather now (every rank must start
+        the same buckets in the same order)."""
         self.writes += 1
         group = self._groups.get(key)
         if group is not None:
-            group.launch_gather(self if self.overlap else None, sources)
+            group.launch_gather(self if self.overlap else None)
 
     def wait(self, keys: Iterable[BucketRef]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done)."""

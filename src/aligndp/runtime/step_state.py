@@ -169,17 +169,21 @@ class ReducedGrads:
         index: ParamIndex,
         has: frozenset | None,
         *,
+        nonfinite: str | None = None,
         settle: Callable[[], None] = lambda: None,
     ) -> None:
-        """``has``: the params with a reduced gradient; None when every param has one.
-        ``settle``: fills the views before they are read (the copies one rank may owe,
+        """``settle``: fills the views before they are read (the copies one rank may owe,
         [Note: one rank steps autograd's gradients] in grad_landing.py)."""
         self._source = source
         self._settle = settle
         self.epoch = epoch
         """The reducer's epoch when this view was taken."""
         self._slots = index.slots
-        self._has = has
+        self.has = has
+        """The params with a reduced gradient (some rank had one); None when every param has
+        one. Read as taken: :meth:`check` first where the view may be old."""
+        self.nonfinite = nonfinite
+        """The agreed message when some gradient was not finite (``check_finite``), else None."""
 
     def check(self) -> None:
         """Raise if the gradients moved on since this view was taken."""
@@ -193,7 +197,7 @@ class ReducedGrads:
     def has_grad(self, param: nn.Parameter) -> bool:
         """Whether ``param`` has a reduced gradient (some rank had one for it)."""
         self.check()
-        return self._has is None or param in self._has
+        return self.has is None or param in self.has
 
     def view(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s reduced gradient in its buffer's dtype, shaped like the param: valid
