@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import aligndp
-from aligndp.optim.muon import MUON_SPLIT
+from aligndp.optim.muon import FLOPS_SPLIT
 from tests._dist import case, make_tests
 from tests._habits_models import (
     LR,
@@ -38,7 +38,7 @@ from tests._habits_models import (
 )
 from tests.models import batch
 
-FORCED = dataclasses.replace(MUON_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
+FORCED = dataclasses.replace(FLOPS_SPLIT, min_cols=1, col_multiple=1, min_part_cost=0, budget=1.0)
 """Every matrix split (tests/test_muon.py's FORCED)."""
 BATCHES = (3, 1, 2)
 """Batches per rank: rank 1 runs out first, rank 0 trains longest."""

@@ -287,7 +287,8 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
            all-gather, waited for now or, with ``overlap_param_gather``, by the next forward.
         The model calls nothing of the optimizer, and the optimizer installs nothing in it.
         """
-        self._join_check_step()
+        if self._join_config.enable:  # inside a torch Join only (aligndp/optim/join.py)
+            self._join_check_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():

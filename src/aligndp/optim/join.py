@@ -52,9 +52,9 @@ class JoinableOptimizer(Joinable):
         return self.model.process_group
 
     def _join_check_step(self) -> None:
-        """Refuse a Join that lists the optimizer first: the model's forward notifies it."""
-        config = self._join_config
-        if config.enable and config.is_first_joinable:
+        """Inside a Join: refuse one that lists the optimizer first (the model's forward
+        notifies it)."""
+        if self._join_config.is_first_joinable:
             raise ValueError(
                 "Join(...) lists the optimizer before its DataParallel (or without it): the "
                 "model's forward must notify the join first; put the model first: "
