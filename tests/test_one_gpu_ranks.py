@@ -95,6 +95,19 @@ def _loss(model, idx, tgt) -> torch.Tensor:
     return F.cross_entropy(model(idx).reshape(-1, VOCAB), tgt.reshape(-1))
 
 
+def _torch_optimizers(net: nn.Module, muon: bool) -> list[torch.optim.Optimizer]:
+    """torch's own optimizers for a reference: AdamW, or Muon on the matrices aligndp routes
+    to it and AdamW on the rest."""
+    if not muon:
+        return [torch.optim.AdamW(net.parameters(), lr=LR)]
+    named = dict(net.named_parameters())
+    routing = route_params(net)
+    return [
+        torch.optim.Muon([named[n] for n in routing.whole], lr=LR, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW([named[n] for n in routing.adamw], lr=LR),
+    ]
+
+
 def _reference(wgrad: str | None, muon: bool, ws: int) -> nn.Module:
     """One process: the same net on the whole global batch, torch's own optimizers. Under the
     ``fp8-tensor`` recipe it runs each rank's rows as a forward and backward of its own (the
@@ -104,17 +117,7 @@ def _reference(wgrad: str | None, muon: bool, ws: int) -> nn.Module:
     (what this tier measured on one H200 on 2026-12-03 before the reference did this). 1x128
     blocks do not span ranks' rows, so the other recipes take the whole batch at once."""
     net = _net(wgrad)
-    named = dict(net.named_parameters())
-    if muon:
-        routing = route_params(net)
-        opts = [
-            torch.optim.Muon(
-                [named[n] for n in routing.whole], lr=LR, adjust_lr_fn="match_rms_adamw"
-            ),
-            torch.optim.AdamW([named[n] for n in routing.adamw], lr=LR),
-        ]
-    else:
-        opts = [torch.optim.AdamW(net.parameters(), lr=LR)]
+    opts = _torch_optimizers(net, muon)
     per_rank = wgrad == "fp8-tensor"
     for step in range(STEPS):
         if per_rank:
@@ -209,17 +212,7 @@ def _uneven_reference(muon: bool, ws: int) -> nn.Module:
     each step the ranks still active give their rows' loss / ws (torch's
     ``divide_by_initial_world_size=True``)."""
     net = _net(None)
-    named = dict(net.named_parameters())
-    if muon:
-        routing = route_params(net)
-        opts = [
-            torch.optim.Muon(
-                [named[n] for n in routing.whole], lr=LR, adjust_lr_fn="match_rms_adamw"
-            ),
-            torch.optim.AdamW([named[n] for n in routing.adamw], lr=LR),
-        ]
-    else:
-        opts = [torch.optim.AdamW(net.parameters(), lr=LR)]
+    opts = _torch_optimizers(net, muon)
     for step in range(STEPS):
         for r in range(ws):
             if step < STEPS - r % 2:
