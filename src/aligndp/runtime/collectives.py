@@ -130,3 +130,19 @@ class TorchCollectives(AlignedAllocator):
 
     def all_reduce_owned_sum(self, tensor: torch.Tensor) -> None:
         self.all_reduce_sum(tensor)
+
+
+@torch.no_grad()
+def broadcast_by_dtype(tensors: list[torch.Tensor], *, src: int, group) -> None:
+    """Rank ``src``'s (global rank) values of ``tensors`` to every rank of ``group``: one
+    broadcast per dtype, none for an empty list (module buffers each forward, and a Join's
+    final sync of params and buffers)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.data)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        torch._foreach_copy_(
+            same, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in same]), same)]
+        )

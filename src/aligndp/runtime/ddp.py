@@ -68,7 +68,7 @@ from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
 from aligndp.runtime.bucket_group import bucket_groups
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collective_backends import make_collectives
-from aligndp.runtime.collectives import Collectives
+from aligndp.runtime.collectives import Collectives, broadcast_by_dtype
 from aligndp.runtime.compiled_overlap import CompiledOverlap
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.forward_hooks import after_forward, before_forward
@@ -329,20 +329,11 @@ class DataParallel(nn.Module, JoinableModel):
         group = self.process_group
         return dist.get_global_rank(group, rank) if group is not None else rank
 
-    @torch.no_grad()
     def _broadcast_buffers(self, src: int = 0) -> None:
         """Rank ``src``'s module buffers to every rank, one broadcast per dtype (none without
         buffers)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in self.module.buffers():
-            by_dtype.setdefault(b.dtype, []).append(b)
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.broadcast(flat, src=self.global_rank(src), group=self.process_group)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        buffers = list(self.module.buffers())
+        broadcast_by_dtype(buffers, src=self.global_rank(src), group=self.process_group)
 
     @property
     def layouts(self) -> list[BufferLayout]:

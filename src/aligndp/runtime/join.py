@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from aligndp.runtime.collectives import Collectives, Work
+from aligndp.runtime.collectives import Collectives, Work, broadcast_by_dtype
 
 __all__ = ["JoinableModel", "JoinCollectives", "join_forward", "join_refusal"]
 
@@ -158,21 +158,8 @@ class _ModelJoinHook(JoinHook):
         dist.all_reduce(src, op=dist.ReduceOp.MAX, group=model.process_group)
         model.wait_for_params()
         tensors = [*model.module.parameters(), *model.module.buffers()]
-        _broadcast(tensors, src=model.global_rank(int(src.item())), group=model.process_group)
-
-
-@torch.no_grad()
-def _broadcast(tensors: list[torch.Tensor], *, src: int, group) -> None:
-    """``src``'s values of ``tensors`` to every rank: one broadcast per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t.data)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
-        torch._foreach_copy_(
-            same, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in same]), same)]
-        )
+        last = model.global_rank(int(src.item()))
+        broadcast_by_dtype(tensors, src=last, group=model.process_group)
 
 
 class _ModelJoin(Join):
