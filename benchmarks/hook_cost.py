@@ -14,7 +14,7 @@ per-param host work, not arithmetic. Prints one JSON line per variant and the ra
 torch DDP measured in the same run.
 
 ``--timeit`` times aligndp's registered hooks alone instead ([Note: one closure per param] in
-aligndp/runtime/grad_sync.py): inside a backward, in steady state (readiness learned, every
+aligndp/runtime/reducer.py): inside a backward, in steady state (readiness learned, every
 bucket launched as it fills at dp 1), microseconds per hook call; see
 :func:`hook_us_per_call`.
 """
@@ -104,14 +104,14 @@ def hook_us_per_call(model, opt, idx: torch.Tensor, *, number: int = 100) -> flo
     order = list(range(len(reducer.params)))[::-1]  # ≈ backward order
     params = [reducer.params[k] for k in order]
     hooks = [reducer.hooks[k] for k in order]
-    defers = [getattr(reducer._group_of[k], "defer", False) for k in order]
+    defers = [getattr(reducer._bucket_of[k], "defer", False) for k in order]
     stolen = [torch.zeros_like(p) for p in params]
     timed: list[float] = []
 
     def inside_backward(grad: torch.Tensor) -> torch.Tensor:
         def step_pass(run_hooks: bool) -> None:
             reducer.zero_grad_buffer()
-            reducer.arm()
+            reducer.landing.arm()
             for hook, p, defer, g in zip(hooks, params, defers, stolen):
                 if defer:
                     p.grad = g

@@ -189,7 +189,7 @@ def case_direct_path_backward_copies_no_gradient(rank, ws):
     armed = DataParallel(make_net(), config=DDPConfig(bucket_numel=200, overlap=False))
     theirs = nn.parallel.DistributedDataParallel(make_net(), bucket_cap_mb=0.001)
     plain = make_net()
-    buckets = len(ours.reducer.groups)
+    buckets = len(ours.reducer.buckets)
     assert buckets > 1
     for step in range(4):
         idx, tgt = batch(step, rank, ws)
@@ -638,7 +638,8 @@ def run_sgd_against_one_process(
     ref = make_net()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     syncs = []  # issue 22: step() finished the gradient sync up to three times (clip, bind)
-    model.finish_grad_sync = lambda sync=model.finish_grad_sync: syncs.append(1) or sync()
+    reducer = model.reducer  # the step window (reducer.update()) syncs through it
+    reducer.finish_grad_sync = lambda sync=reducer.finish_grad_sync: syncs.append(1) or sync()
     norms = []
     for step in range(steps):
         loss_of(model, *batch(step, rank, ws)).backward()
@@ -676,10 +677,10 @@ make_tests(globals())
 
 
 def test_nonfinite_counts_match_per_param_counts():
-    """check_finite counts per param from one pass over the bucket (step_flags.py); the
+    """check_finite counts per param from one pass over the bucket (step_agreement.py); the
     reference counts each param's slice on its own. Spans of zero length, at the bucket's
     ends, and NaN / +Inf / -Inf at span edges included."""
-    from aligndp.runtime.step_flags import nonfinite_counts
+    from aligndp.runtime.step_agreement import nonfinite_counts
 
     g = torch.Generator().manual_seed(0)
     for trial in range(200):

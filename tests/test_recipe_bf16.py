@@ -183,5 +183,5 @@ def test_a_fused_weight_arrives_once_so_zero_grad_zeroes_nothing(recipe):
         unwrapped(x[step]).square().mean().backward()
         for (name, p), q in zip(net.named_parameters(), unwrapped.parameters()):
             assert (p.main_grad - q.grad).abs().max() <= 1e-6 * q.grad.abs().max(), name
-    assert all(g.defer for g in model.reducer.groups)
+    assert all(g.defer for g in model.reducer.buckets)
     model.remove_hooks()

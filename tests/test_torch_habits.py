@@ -144,7 +144,7 @@ def published(model, mode: str) -> None:
 
 @case(1, 2)
 def case_one_rank_collects_gradients_at_the_end_as_torch(rank, ws):
-    """[Note: one rank collects at the end] (grad_sync.py): one rank registers no per-param
+    """[Note: one rank collects at the end] (grad_landing.py): one rank registers no per-param
     hook, yet every habit reads as with hooks, beside torch DDP: ``p.grad`` is the reduced
     view when ``backward()`` returns; micro-batches under ``no_sync`` sum; a backward that
     bypasses the wrapper (``model.module``) is still seen at the step; a second backward of

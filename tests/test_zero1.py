@@ -314,7 +314,7 @@ def case_masters_live_with_the_buckets(rank, ws):
     net = make_net().to(torch.bfloat16)
     hooks_before = len(net._forward_pre_hooks)
     model, opt = aligndp.parallelize(net, sharding="zero1", lr=1e-2, bucket_numel=200)
-    kept = [m for g in model.groups if g.masters for m in g.masters]
+    kept = [m for b in model.buckets if b.masters for m in b.masters]
     assert {id(m) for m in opt.masters} == {id(m) for m in kept}, "the part's own masters"
     planned = [piece for buf in model.flat_buffers for piece in buf.layout.owned_pieces(rank)]
     assert sorted((m.piece.name, m.piece.start) for m in kept) == sorted(

@@ -235,11 +235,11 @@ def attach_masters(ddp: DataParallel, inputs: Inputs) -> None:
     """Step 4: each bucket that gathers params keeps the masters of this rank's owned pieces
     (fp32 copies of 16-bit params unless ``master_weights=False``, and of FP8-gathered ones;
     else the ``param_data`` views), which the optimizer parts step and its gather casts back."""
-    for group in ddp.groups:
-        if group.gathers:
-            group.keep_masters(
+    for bucket in ddp.buckets:
+        if bucket.gathers:
+            bucket.keep_masters(
                 bucket_masters(
-                    group.buffer, group.slots, group.params, master_weights=inputs.master_weights
+                    bucket.buffer, bucket.slots, bucket.params, master_weights=inputs.master_weights
                 )
             )
 

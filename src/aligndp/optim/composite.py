@@ -6,11 +6,11 @@ for them: a whole-matrix optimizer such as Muon
 (:class:`~aligndp.optim.whole_matrix.WholeMatrixPart`), ZeRO-1 over an elementwise optimizer
 (:class:`~aligndp.optim.sharded.ShardedPart`), or a replicated optimizer
 (:class:`ReplicatedPart`). Its ``step()`` reads top-down ([Note: one step, top-down]): the
-model's reduced gradients, one global norm, each part's step, each bucket's gather, through
-the model's :class:`~aligndp.runtime.param_gather.ParamGather` (the model owns it; the
-composite calls into it; the model calls nothing of the optimizer). Checkpoints see it
-through the model-space methods of [Note: model-space state] (aligndp/state/model_space.py),
-which it forwards to the part that holds each param.
+model's reduced gradients, one global norm, each part's step, each bucket's gather, inside the
+step window of the model's gradient reducer (``model.reducer.update()``: the model owns the
+order of its buffers around the update; the model calls nothing of the optimizer).
+Checkpoints see it through the model-space methods of [Note: model-space state]
+(aligndp/state/model_space.py), which it forwards to the part that holds each param.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from aligndp.plan.routing import Routing
 from aligndp.plan.slots import padding_totals
 from aligndp.plan.spec import Mode, max_over_mean
 from aligndp.runtime.ddp import DataParallel
-from aligndp.runtime.step_state import BucketRef, ReducedGrads, StepState
+from aligndp.runtime.step_agreement import ReducedGrads
+from aligndp.runtime.step_state import BucketRef, StepState
 from aligndp.runtime.wrapped_param import as_parameters, steps_in_place
 from aligndp.state.model_space import (
     FlatPiece,
@@ -207,8 +208,12 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
         """Steps skipped on every rank for non-finite gradients (``on_nonfinite="skip"``)."""
         self.routing = routing
         """The :class:`~aligndp.plan.routing.Routing` that split the params, when one did."""
+        self.reducer = model.reducer
+        """The model's gradient reducer: its step window and ``zero_grad``, the optimizer's
+        two calls into the model ([Note: one step, top-down])."""
         self.gather = model.param_gather
-        """The model's param gather, which this optimizer calls into after each step."""
+        """The model's param gather (a part that steps bucket by bucket launches each one's
+        gather as it is stepped; checkpoints wait for them)."""
         self._shown_epoch = -1
         """The reduction whose gradients the parts' tensors show ([Note: grads shown on read])."""
 
@@ -271,17 +276,19 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
         (as ``ZeroRedundancyOptimizer.step`` passes them on).
 
         [Note: one step, top-down]
-        1. reduced grads: ``model.finish_grad_sync()``, the one call into the model before the
-           update (it waits for the param gathers still in flight, which read the shards
-           this step writes, and returns the read-only :class:`ReducedGrads`); agreed
-           non-finite gradients skip the step or raise on every rank;
+        The step runs inside the model's step window, ``model.reducer.update()``, one of the
+        optimizer's two calls into the model (``zero_grad`` is the other):
+        1. reduced grads: entering the window waits for the param gathers still in flight
+           (they read the shards this step writes), reduces and agrees, and hands the step
+           the read-only :class:`ReducedGrads`; agreed non-finite gradients skip the step or
+           raise on every rank;
         2. clip: every part binds its gradients to what it steps and, with ``max_grad_norm``,
            scales them by one global norm (one all-reduce);
         3. per bucket: each part steps the masters its buckets keep
            ([Note: masters with the buckets] in aligndp/runtime/masters.py) — ZeRO-1 every
            bucket's in one multi-tensor step ([Note: one ZeRO-1 step] in optim/sharded.py),
            the layer-wise part bucket by bucket, launching each one's gather as soon as it
-           is stepped (``launch_stepped``); then ``launch_rest`` launches every other
+           is stepped (``launch_stepped``); leaving the window launches every other
            bucket's, in forward order. A bucket's launch casts its masters back into
            ``param_data`` and hands an FP8 gather the masters it encodes, then starts the
            all-gather, waited for now or, with ``overlap_param_gather``, by the next forward.
@@ -293,26 +300,25 @@ class CompositeOptimizer(DataParallelOptimizer, JoinableOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = self.model.finish_grad_sync()  # 1. the reduced grads' view
-        if grads.nonfinite is not None:
-            if self.model.config.on_nonfinite == "skip":
-                self.skipped_steps += 1
-                return loss
-            raise FloatingPointError(grads.nonfinite)
-        if self.max_grad_norm is not None:  # 2. bind, clip
-            self._clip(self.max_grad_norm, grads)
-        else:
-            self._prepare(grads)
-        for part in self.parts:  # 3. step the buckets' masters, cast back, gather
-            part.step_owned(self.gather.launch_stepped, **kwargs)
-        self.model.data_touched.clear()
-        self.gather.launch_rest()
+        with self.reducer.update() as grads:  # 1. the reduced grads' view
+            if grads.nonfinite is not None:
+                if self.model.config.on_nonfinite == "skip":
+                    self.skipped_steps += 1
+                    return loss
+                raise FloatingPointError(grads.nonfinite)
+            if self.max_grad_norm is not None:  # 2. bind, clip
+                self._clip(self.max_grad_norm, grads)
+            else:
+                self._prepare(grads)
+            for part in self.parts:  # 3. step the buckets' masters, cast back, gather
+                part.step_owned(self.gather.launch_stepped, **kwargs)
+            self.model.data_touched.clear()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as ``model.zero_grad()``: drop every gradient for the next step (the gradients
         live in the model's buffers, so the optimizer's zero_grad must reach the model)."""
-        self.model.zero_grad(set_to_none=set_to_none)
+        self.reducer.zero_grad(set_to_none)
 
     # ---- [Note: model-space state] (aligndp/state/model_space.py) ----
     def _part_of(self, name: str) -> OptimizerPart:

@@ -61,7 +61,7 @@ from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.runtime.masters import Master, refresh_master
-from aligndp.runtime.step_state import ReducedGrads
+from aligndp.runtime.step_agreement import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,
@@ -268,14 +268,14 @@ def bucket_masters_of(model: DataParallel, buffers: Sequence[FlatBuffer]) -> lis
     bucket order; a ValueError if the build step ``attach_masters`` did not run."""
     masters: list[Master] = []
     for buf in buffers:
-        groups = sorted((g for g in model.groups if g.buffer is buf), key=lambda g: g.ref.bucket)
-        for g in groups:
-            if g.masters is None:
+        buckets = sorted((b for b in model.buckets if b.buffer is buf), key=lambda b: b.ref.bucket)
+        for b in buckets:
+            if b.masters is None:
                 raise ValueError(
-                    f"bucket {g.ref} keeps no masters yet: attach them before building an "
+                    f"bucket {b.ref} keeps no masters yet: attach them before building an "
                     "optimizer part (aligndp.build.attach_masters, which parallelize() runs)"
                 )
-            masters += g.masters
+            masters += b.masters
     return masters
 
 

@@ -44,7 +44,7 @@ from aligndp.plan.split import SplitPolicy
 from aligndp.runtime.ddp import DataParallel
 from aligndp.runtime.grads import ShardedGrad
 from aligndp.runtime.masters import refresh_master
-from aligndp.runtime.step_state import ReducedGrads
+from aligndp.runtime.step_agreement import ReducedGrads
 from aligndp.state.model_space import (
     FlatPiece,
     model_space_to_torch_state,

@@ -2,7 +2,7 @@
 
 [Note: collectives seam]
 Everything the runtime communicates per bucket — the gradient all-reduce or reduce-scatter
-(grad_sync.py), the param all-gather (param_gather.py), the small sums of the end-of-backward
+(reducer.py), the param all-gather (param_gather.py), the small sums of the end-of-backward
 agreement, ``join()`` and the optimizers' global norm — goes through one :class:`Collectives`
 object bound to the data-parallel process group, and so does the buffers' storage
 (:meth:`Collectives.allocate`, the allocation hook: a symmetric-memory backend allocates its

@@ -12,7 +12,8 @@ own threads, so a launched collective overlaps the rest of backward):
 
 [Note: step states] (DESIGN.md): IDLE after ``zero_grad``; ACCUMULATING while gradients
 arrive; REDUCED once a synchronised backward ended — its autograd callback launched what was
-left, waited, agreed with the other ranks in one small all-reduce (step_flags.py) and published
+left, waited, agreed with the other ranks in one small all-reduce (step_agreement.py) and
+published
 ``param.grad`` (the reduced view, or a ``ShardedGrad`` in sharded modes). A gradient arriving
 in REDUCED reopens the buffers first (``_reopen``), as torch accumulates into ``param.grad``.
 
@@ -35,7 +36,7 @@ view still stale at its bucket's launch (an unused param) is zeroed then. A para
 
 [Note: gradient as bucket view]
 Where a buffer's grad dtype is its params' dtype, ``forward`` (grad enabled) makes each param's
-``param.grad`` its ``main_grad`` view when it is None (``GradReducer.arm``, grad_sync.py), as
+``param.grad`` its ``main_grad`` view when it is None (``Landing.arm``, grad_landing.py), as
 torch DDP's ``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the buffer
 itself, and the post-accumulate hook only counts (identity check, its group's countdown: no
 copy, no Python work per element). The hook copies only off this path: a param whose grad
@@ -65,7 +66,7 @@ from aligndp.plan.spec import (
     Requirement,
 )
 from aligndp.runtime.agreement import check_ranks_agree, prepare_side_group
-from aligndp.runtime.bucket_group import bucket_groups
+from aligndp.runtime.bucket import make_buckets
 from aligndp.runtime.buffer import FlatBuffer
 from aligndp.runtime.collective_backends import make_collectives
 from aligndp.runtime.collectives import Collectives, broadcast_by_dtype
@@ -73,15 +74,15 @@ from aligndp.runtime.compiled_overlap import CompiledOverlap
 from aligndp.runtime.ddp_config import NONFINITE_ACTIONS, DDPConfig
 from aligndp.runtime.forward_hooks import after_forward, before_forward
 from aligndp.runtime.gather_codec import GatherCodec
-from aligndp.runtime.grad_sync import GradReducer
 from aligndp.runtime.join import Joinable, JoinableModel
 from aligndp.runtime.mesh import MeshCollectives, data_parallel_groups
 from aligndp.runtime.param_gather import ParamGather
 from aligndp.runtime.pickling import reduce_wrapper
+from aligndp.runtime.reducer import GradReducer
+from aligndp.runtime.step_agreement import ReducedGrads
 from aligndp.runtime.step_state import (
     BucketRef,
     ParamIndex,
-    ReducedGrads,
     RoundReport,
     StepState,
     param_index,
@@ -107,8 +108,8 @@ class DataParallel(nn.Module, JoinableModel):
 
     A thin module over three parts built here once: ``index`` (the
     :class:`~aligndp.runtime.step_state.ParamIndex`), ``groups`` (one
-    :class:`~aligndp.runtime.bucket_group.BucketGroup` per bucket, [Note: bucket groups]) and
-    ``reducer`` (the :class:`~aligndp.runtime.grad_sync.GradReducer`: hooks, step states,
+    :class:`~aligndp.runtime.bucket.Bucket` per bucket, [Note: the bucket]) and
+    ``reducer`` (the :class:`~aligndp.runtime.reducer.GradReducer`: hooks, step states,
     agreement), plus ``param_gather`` over the groups; the methods below forward to them.
     """
 
@@ -214,13 +215,14 @@ class DataParallel(nn.Module, JoinableModel):
         """The one param -> (buffer, bucket, slot, owned piece) index, built here once and
         shared with the param gather and the optimizer parts."""
         self.bucket_refs: list[BucketRef] = list(self.index.refs)
-        self.groups = bucket_groups(self.index, collectives=self._collectives, codec=gather_codec)
-        """One per bucket, in launch order: readiness, reduce and gather ([Note: bucket groups])."""
+        self.buckets = make_buckets(self.index, collectives=self._collectives, codec=gather_codec)
+        """One per bucket, in launch order: readiness, landing, reduce, masters and gather
+        ([Note: the bucket])."""
         self.data_touched: set[nn.Parameter] = set()
         """Params whose ``.data`` was used since the optimizer's last step (see
         wrapped_param.WrappedParameter)."""
         self.param_gather = ParamGather(
-            self.groups,
+            self.buckets,
             index=self.index,
             module=module,
             collectives=self._collectives,
@@ -230,7 +232,7 @@ class DataParallel(nn.Module, JoinableModel):
         self._comm_hook: str | None = None
         self.reducer = GradReducer(
             self.index,
-            self.groups,
+            self.buckets,
             params=self.params,
             names=self.param_names,
             config=config,
@@ -264,8 +266,8 @@ class DataParallel(nn.Module, JoinableModel):
     @collectives.setter
     def collectives(self, value: Collectives) -> None:
         self._collectives = self.reducer.collectives = self.param_gather.collectives = value
-        for group in self.groups:
-            group.collectives = value
+        for bucket in self.buckets:
+            bucket.collectives = value
 
     # ---- ownership of the module's params (wrapping again replaces the old wrapper) ----
     @property

@@ -32,7 +32,7 @@ def before_forward(dp, args: tuple) -> None:
         dp._broadcast_buffers()
     if torch.is_grad_enabled():
         dp.reducer._reopen()  # before autograd accumulates into a ShardedGrad
-        dp.reducer.arm()  # [Note: gradient as bucket view]
+        dp.reducer.landing.arm()  # [Note: gradient as bucket view]
     dp.compiled_overlap.enter()  # Dynamo splits the graph at buckets: [Note: compiled overlap]
 
 

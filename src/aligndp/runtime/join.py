@@ -152,7 +152,7 @@ class _ModelJoinHook(JoinHook):
         model = self.model
         Joinable.__init__(model)  # torch leaves the config enabled; later forwards do not join
         if model._join_scaled is not None:
-            model.groups_collectives(model._join_scaled.inner)
+            model.buckets_collectives(model._join_scaled.inner)
             model._join_scaled = None
         src = torch.tensor([model.world_rank if is_last_joiner else -1], device=model.device)
         dist.all_reduce(src, op=dist.ReduceOp.MAX, group=model.process_group)
@@ -210,11 +210,11 @@ class JoinableModel(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         _check_bools(divide_by_initial_world_size=divide)
         if self._join_scaled is not None:  # a Join left by an error: start afresh
-            self.groups_collectives(self._join_scaled.inner)
+            self.buckets_collectives(self._join_scaled.inner)
             self._join_scaled = None
         if not divide:
-            self._join_scaled = JoinCollectives(self.groups[0].collectives)
-            self.groups_collectives(self._join_scaled)
+            self._join_scaled = JoinCollectives(self.buckets[0].collectives)
+            self.buckets_collectives(self._join_scaled)
         self._join_shadowed = False
         opt = self._join_optimizer() if self._join_optimizer is not None else None
         if opt is not None:  # a Join left by an error keeps its configs; Join sets them anew
@@ -237,7 +237,7 @@ class JoinableModel(Joinable):
             and any(True for _ in self.module.buffers())
         )
 
-    def groups_collectives(self, collectives) -> None:
+    def buckets_collectives(self, collectives) -> None:
         """The collectives each bucket reduces through."""
-        for group in self.groups:
-            group.collectives = collectives
+        for bucket in self.buckets:
+            bucket.collectives = collectives

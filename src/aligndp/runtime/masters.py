@@ -9,7 +9,7 @@ view itself ([Note: master weights] in aligndp/optim/sharded.py). A ZeRO-1 piece
 1-D; a layer-wise piece is a whole param and its master has the param's shape.
 
 They are built once per bucket (:func:`bucket_masters`, the build step ``attach_masters`` of
-aligndp/build.py) and kept by the bucket's :class:`~aligndp.runtime.bucket_group.BucketGroup`
+aligndp/build.py) and kept by the bucket's :class:`~aligndp.runtime.bucket.Bucket`
 (``bucket.masters``), next to the param all-gather they feed: launching a bucket's gather
 first casts its separate masters back into ``param_data`` (one ``_foreach_copy_``) and hands
 an FP8 gather the masters it encodes ([Note: FP8 param gather] in gather_codec.py). So the

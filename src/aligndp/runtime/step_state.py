@@ -1,15 +1,13 @@
-"""The vocabulary of one data-parallel step: states, bucket references, the param index, the
-read-only view of reduced gradients.
+"""The vocabulary of one data-parallel step: states, bucket references, the param index.
 
-[Note: step states] in DESIGN.md; the transitions are in grad_sync.py.
+[Note: step states] in DESIGN.md; the transitions are in reducer.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,7 +22,6 @@ __all__ = [
     "StepState",
     "GradSlot",
     "ParamIndex",
-    "ReducedGrads",
     "RoundReport",
     "param_index",
 ]
@@ -151,70 +148,3 @@ def _launch_order(buffers: Sequence[FlatBuffer], slots) -> tuple[BucketRef, ...]
         queue = max((q for q in queues if q), key=lambda q: first.get(q[0], -1))
         order.append(queue.pop(0))
     return tuple(order)
-
-
-class ReducedGrads:
-    """A read-only view of one reduction's gradients, what ``finish_grad_sync()`` hands the
-    optimizer ([Note: reduced grads view]).
-
-    Valid while its ``epoch`` is the reducer's: a new reduction, ``zero_grad`` or a gradient
-    reopening the buffers moves the epoch, and every read of an older view raises a
-    ``RuntimeError`` (an optimizer must never step from gradients that moved under it).
-    """
-
-    def __init__(
-        self,
-        source: _EpochSource,
-        epoch: int,
-        index: ParamIndex,
-        has: frozenset | None,
-        *,
-        nonfinite: str | None = None,
-        settle: Callable[[], None] = lambda: None,
-    ) -> None:
-        """``settle``: fills the views before they are read (the copies one rank may owe,
-        [Note: one rank steps autograd's gradients] in grad_landing.py)."""
-        self._source = source
-        self._settle = settle
-        self.epoch = epoch
-        """The reducer's epoch when this view was taken."""
-        self._slots = index.slots
-        self.has = has
-        """The params with a reduced gradient (some rank had one); None when every param has
-        one. Read as taken: :meth:`check` first where the view may be old."""
-        self.nonfinite = nonfinite
-        """The agreed message when some gradient was not finite (``check_finite``), else None."""
-
-    def check(self) -> None:
-        """Raise if the gradients moved on since this view was taken."""
-        if self._source.epoch != self.epoch:
-            raise RuntimeError(
-                f"these reduced gradients are stale (taken at epoch {self.epoch}, now "
-                f"{self._source.epoch}: zero_grad, a new backward or a reduction came since); "
-                "take a new view with model.finish_grad_sync()"
-            )
-
-    def has_grad(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` has a reduced gradient (some rank had one for it)."""
-        self.check()
-        return self.has is None or param in self.has
-
-    def view(self, param: nn.Parameter) -> torch.Tensor:
-        """``param``'s reduced gradient in its buffer's dtype, shaped like the param: valid
-        everywhere when replicated, only in :meth:`owned` when sharded or layer-wise."""
-        self.check()
-        self._settle()
-        return self._slots[param].view
-
-    def owned(self, param: nn.Parameter) -> torch.Tensor:
-        """The flat elements of ``param``'s reduced gradient this rank holds: all of them when
-        replicated, its :class:`~aligndp.plan.slots.OwnedPiece` otherwise (maybe empty)."""
-        self.check()
-        self._settle()
-        slot = self._slots[param]
-        flat = slot.view.view(-1)
-        return flat if slot.owned is None else flat[slot.owned.lo : slot.owned.hi]
-
-
-class _EpochSource(Protocol):
-    epoch: int

@@ -5,20 +5,6 @@ and retires the old one (its hooks removed, its forward refused). A plain ``nn.P
 becomes a :class:`WrappedParameter`, whose ``main_grad`` is its owner's buffer view, zeroed on
 first touch after ``zero_grad`` ([Note: lazy zeroing] in ddp.py), so Megatron / Transformer
 Engine style writes into ``param.main_grad`` count.
-
-[Note: reads wait for the gather]
-With ``overlap_param_gather=True`` a param's all-gather is still in flight when ``opt.step()``
-returns (aligndp/runtime/param_gather.py). While it is, the param's class is the *pending*
-subclass of its class (:func:`mark_pending`), whose ``__torch_function__`` first waits for
-that param's gather, which gives every param of its bucket its own class back
-(:func:`settle`), then runs the call again. Every read through the param object waits so:
-``p.norm()``, ``p.detach().clone()``, ``p.data``, ``copy_``, ``torch._foreach_*`` over params,
-``F.linear(x, other.weight)`` in another module's forward; calls that read no values
-(``p.grad``, ``p.shape``, ``p.requires_grad``, ``p._version``, :data:`_METADATA`) do not wait,
-so ``zero_grad`` keeps the overlap. A module's forward pre-hook settles its own params before
-its forward reads them, and outside the window every class is the normal one, so the step
-pays two class assignments per param and nothing per read. Not covered: an alias taken
-before the step (a view, ``data_ptr()``); ``model.wait_for_params()`` waits for everything.
 """
 
 from __future__ import annotations
@@ -33,15 +19,12 @@ import torch.nn as nn
 
 __all__ = [
     "ParamOwner",
-    "PendingWaiter",
     "WrappedParameter",
     "as_parameters",
     "attach_to_module",
     "binding",
     "claim_params",
-    "mark_pending",
     "owner_of",
-    "settle",
     "steps_in_place",
 ]
 
@@ -109,7 +92,7 @@ def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) 
     hook lives in a table torch keeps from C++, out of sight of Python's cycle collector, so a
     hook that reached its param back (through its bucket group or buffer) kept both alive for
     ever: the hooks reach the reducer weakly and find view and group through it
-    (grad_sync.py). A fused layer's sink is a proxy: the reducer reaches the optimizer, which
+    (reducer.py). A fused layer's sink is a proxy: the reducer reaches the optimizer, which
     reaches the wrapper, so a strong sink kept the wrapper alive as long as the module. The
     module's own hooks (state dict, gather pre-hooks) may hold the gather and its groups,
     which reach neither the params nor the wrapper. A user who keeps the module but drops
@@ -271,115 +254,3 @@ def as_parameters(params: Iterable[nn.Parameter]) -> Iterator[None]:
     finally:
         for p in wrapped:
             p.__class__ = WrappedParameter
-
-
-# ---- [Note: reads wait for the gather] ----
-_T = torch.Tensor
-_METADATA = frozenset(
-    [
-        f
-        for name in (
-            "grad",
-            "_grad",
-            "requires_grad",
-            "shape",
-            "dtype",
-            "device",
-            "layout",
-            "ndim",
-            "is_leaf",
-            "grad_fn",
-            "_version",
-            "retains_grad",
-            "is_cuda",
-            "is_sparse",
-            "is_meta",
-            "is_nested",
-            "is_quantized",
-            "itemsize",
-            "nbytes",
-            "_backward_hooks",
-            "_post_accumulate_grad_hooks",
-        )
-        for f in (
-            getattr(_T, name).__get__,
-            getattr(_T, name).__set__,
-            getattr(_T, name).__delete__,
-        )
-    ]
-    + [_T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.element_size, _T.storage_offset]
-    + [_T.is_contiguous, _T.is_floating_point, _T.is_complex, _T.get_device, _T.__len__]
-    + [_T.requires_grad_, _T.retain_grad, _T.register_hook, _T.register_post_accumulate_grad_hook]
-    + [torch.is_floating_point, torch.is_complex, torch.numel]
-)
-"""Calls on a pending param that read no values: they run without waiting for its gather."""
-
-
-class PendingWaiter(Protocol):
-    """What marks params pending (:class:`~aligndp.runtime.param_gather.ParamGather`)."""
-
-    def wait_for(self, param: nn.Parameter) -> None:
-        """Wait for ``param``'s gather if it is one of mine in flight, and settle its bucket."""
-        ...
-
-
-_WAITERS: weakref.WeakSet[PendingWaiter] = weakref.WeakSet()
-"""Everything that marked params pending (asked in turn when a pending param is read)."""
-_PENDING: dict[type, type] = {}
-"""A param class -> its pending subclass."""
-_SETTLED: dict[type, type] = {}
-"""A pending subclass -> the class it was made from."""
-
-
-def mark_pending(params: Iterable[nn.Parameter], waiter: PendingWaiter) -> None:
-    """Until :func:`settle`, any read of one of ``params`` first calls ``waiter.wait_for``,
-    which must wait for its gather and settle it. Costs one class assignment per param."""
-    _WAITERS.add(waiter)
-    for p in params:
-        cls = type(p)
-        pending = _PENDING.get(cls)
-        if pending is None:
-            if cls in _SETTLED:  # already pending (a gather launched again)
-                continue
-            pending = type(f"Pending{cls.__name__}", (cls,), {"__module__": __name__})
-            pending.__torch_function__ = classmethod(_read_pending)
-            _PENDING[cls], _SETTLED[pending] = pending, cls
-        p.__class__ = pending
-
-
-def settle(params: Iterable[nn.Parameter]) -> None:
-    """Give pending params their own class back (their gather was waited for)."""
-    for p in params:
-        base = _SETTLED.get(type(p))
-        if base is not None:
-            p.__class__ = base
-
-
-def _wait_for(p: torch.Tensor) -> None:
-    for waiter in list(_WAITERS):
-        waiter.wait_for(p)
-    settle([p])  # a copy of a pending param (deepcopy) has nothing to wait for
-
-
-def _tensors_in(obj: object) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors_in(x)
-
-
-def _read_pending(cls: type, func, types, args=(), kwargs=None):
-    """``__torch_function__`` of pending params: wait for every pending param the call reads,
-    then run it as their own classes would."""
-    kwargs = kwargs or {}
-    if func in _METADATA:
-        types = tuple(_SETTLED.get(t, t) for t in types)
-        return _SETTLED[cls].__torch_function__(func, types, args, kwargs)
-    for t in list(_tensors_in((args, kwargs))):
-        if type(t) in _SETTLED:
-            _wait_for(t)
-    return func(*args, **kwargs)

@@ -1,11 +1,11 @@
-"""The gradient reducer of :class:`~aligndp.runtime.ddp.DataParallel`: hooks and step states
-(the end-of-backward reduction and agreement: reduction.py, its other half).
+"""The gradient reducer of :class:`~aligndp.runtime.ddp.DataParallel` (``model.reducer``): the
+per-param hooks, bucket readiness and launch order, the step states, and the step window the
+optimizer updates in.
 
-See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step states].
-``DataParallel`` composes one :class:`GradReducer` (``model.reducer``) over its ``ParamIndex``
-(step_state.py) and its ``BucketGroup`` s (bucket_group.py), and forwards its public methods.
-
-``state`` changes in these named transitions only ([Note: step states]):
+``DataParallel`` composes one :class:`GradReducer` over its ``ParamIndex`` (step_state.py)
+and its :class:`~aligndp.runtime.bucket.Bucket` s. Where a gradient lands in its view and
+where ``param.grad`` points: grad_landing.py; what the ranks agree at the end of backward:
+step_agreement.py. ``state`` changes in these named transitions only ([Note: step states]):
 
     _begin_accumulating   IDLE -> ACCUMULATING      the first gradient of a new step
     _reopen               REDUCED -> ACCUMULATING   a gradient after the reduction
@@ -15,31 +15,29 @@ See the module docstring of aligndp/runtime/ddp.py and DESIGN.md [Note: step sta
 [Note: one closure per param]
 Per-param state is lists indexed by the param's registration index ``k`` (no hash of a
 param), and each param's post-accumulate hook is a closure bound to its ``k``, which finds
-its view and :class:`BucketGroup` through the reducer (weakly: [Note: dropped wrappers]).
-On the direct path ([Note: gradient as bucket view] in ddp.py: ACCUMULATING, ``param.grad``
-is the view) the hook only marks the param written and counts its group down; all else goes
-through :meth:`GradReducer._absorb` first (reopen, copy or add into the view). A fused
-kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never armed
-([Note: gradient as bucket view]). Deferring, collecting, zeroing: grad_landing.py.
+its view and :class:`~aligndp.runtime.bucket.Bucket` through the reducer (weakly:
+[Note: dropped wrappers]). On the direct path ([Note: gradient as bucket view] in ddp.py:
+ACCUMULATING, ``param.grad`` is the view) the hook only marks the param written and counts
+its bucket down; all else goes through ``Landing.absorb`` first (reopen, copy or add into the
+view). A fused kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never
+armed ([Note: gradient as bucket view]).
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import weakref
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from aligndp.plan.fused import GradTarget
-from aligndp.runtime.bucket_group import BucketGroup
+from aligndp.runtime.bucket import Bucket
 from aligndp.runtime.collectives import Collectives
 from aligndp.runtime.grad_landing import Landing
-from aligndp.runtime.grads import same_storage
-from aligndp.runtime.reduction import Reduction
-from aligndp.runtime.step_flags import PendingFlags
-from aligndp.runtime.step_state import ParamIndex, ReducedGrads, RoundReport, StepState
+from aligndp.runtime.step_agreement import ReducedGrads, StepAgreement, nonfinite_message
+from aligndp.runtime.step_state import ParamIndex, RoundReport, StepState
 
 __all__ = ["GradReducer"]
 
@@ -47,13 +45,16 @@ __all__ = ["GradReducer"]
 _ACCUMULATING, _REDUCED, _STRIDED = StepState.ACCUMULATING, StepState.REDUCED, torch.strided
 
 
-class GradReducer(Reduction):
+class GradReducer:
     """Gradient hooks, readiness, the step states and the reduced-gradient view of one model."""
+
+    param_gather = None
+    """The model's :class:`~aligndp.runtime.param_gather.ParamGather`, set by its DataParallel."""
 
     def __init__(
         self,
         index: ParamIndex,
-        groups: Sequence[BucketGroup],
+        buckets: Sequence[Bucket],
         *,
         params: Sequence[nn.Parameter],
         names: Mapping[nn.Parameter, str],
@@ -67,33 +68,21 @@ class GradReducer(Reduction):
         """``params`` in registration order; ``config``: the model's ``DDPConfig``; ``rank``: among
         all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``;
         ``fused``: the weights of fused-wgrad layers (they write their views themselves)."""
-        self.index, self.groups, self.config = index, list(groups), config
+        self.index, self.buckets, self.config = index, list(buckets), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
         self.dp_size = collectives.dp_size
         self.world_size = self.dp_size * collectives.replicas  # the agreement's ranks
         n = len(self.params)
         self._k = {p: k for k, p in enumerate(self.params)}
-        self._slots = list(index.slots.values())
-        self._views = [s.view for s in self._slots]
-        self._shown = [s.sharded_grad for s in self._slots]  # param.grad where sharded
-        self._members = [[s.index for s in g.slots] for g in self.groups]  # by group position
-        by_ref = {g.ref: g for g in self.groups}
-        self._group_of = [by_ref[s.ref] for s in self._slots]
-        self._eager_zero = [p in eager_zero for p in self.params]
-        # [Note: gradient as bucket view]: where a buffer's grad dtype is its params' dtype,
-        # autograd accumulates straight into the view (``param.grad`` is the view)
-        self._direct_buffers = [
-            b for b in index.buffers if b.layout.grad_dtype == b.layout.param_dtype
-        ]
-        direct = {id(p) for b in self._direct_buffers for p in b.params}
-        self._direct = [id(p) in direct for p in self.params]
-        self._armed = [False] * n  # param.grad is its view, set by us; never a fused weight's:
-        self._armable = [d and p not in fused for d, p in zip(self._direct, self.params)]
-        self._stale = [not z for z in self._eager_zero]  # [Note: lazy zeroing]
-        self._stale_at_zero = tuple(self._stale)  # what zero_grad makes it
+        alone = self.world_size == 1 and not config.check_finite
+        self.landing = L = Landing(index, self.buckets, self.params, eager_zero=eager_zero,
+                                   fused=fused, alone=alone)  # fmt: skip
+        # the per-param landing state (grad_landing.py), read here
+        self._views, self._stale, self._armed, self._direct = L.views, L.stale, L.armed, L.direct
+        self._eager_zero, self._published, self._members = L.eager_zero, L.published, L.members
+        self._bucket_of = L.bucket_of  # param index -> its Bucket
         self._used = [False] * n  # had a gradient on this rank since the reduction
-        self._published: set[int] = set()  # param.grad set by us ([Note: step states])
         self._fired = [0] * n  # [Note: bucket readiness]: arrivals this round
         self._undefined = [False] * n  # [Note: undefined gradients]
         self._expected = [-1] * n  # arrivals in the last synchronised round (-1: none yet)
@@ -102,12 +91,10 @@ class GradReducer(Reduction):
         """Moves at every reduction, reopen and ``zero_grad``: a :class:`ReducedGrads` of an
         older epoch refuses to be read."""
         self._view: ReducedGrads | None = None
-        self._pending_flags: PendingFlags | None = None
         self._problems: dict[str, set[nn.Parameter]] = {"late": set(), "stale_read": set()}
-        self._nonfinite: torch.Tensor | None = None
-        self._finite_spans = (
-            {g.position: self._spans(g) for g in self.groups} if config.check_finite else {}
-        )
+        self.agreement = StepAgreement(  # the end-of-backward agreement
+            self.params, names, rank=rank, world_size=self.world_size, device=device,
+            check_finite=config.check_finite, buckets=self.buckets)  # fmt: skip
         self._next_launch = 0
         self._launched_in_backward = 0
         self._sync_enabled = True
@@ -118,7 +105,6 @@ class GradReducer(Reduction):
         self.nonfinite: str | None = None
         """The agreed message of the last reduction when a gradient was not finite, else None."""
         self.last_round: RoundReport | None = None
-        self.landing = Landing(self, fused=bool(fused))  # grad_landing.py
         bound = [self._bind(k) for k in range(n)]
         self.hooks = [hook for hook, _, _ in bound]  # the model registers them, and pre_hooks
         self.pre_hooks = [pre for _, _, pre in bound]  # [Note: undefined gradients]
@@ -143,12 +129,12 @@ class GradReducer(Reduction):
             if not r._sync_enabled:
                 return
             n = fired[k] = fired[k] + 1
-            group = r._group_of[k]
-            if group.position < r._next_launch:
+            bucket = r._bucket_of[k]
+            if bucket.position < r._next_launch:
                 r._problems["late"].add(param)  # only a fused layer used more often than last time
             elif n == expected[k]:  # [Note: bucket readiness]: one count per bucket
-                group.countdown -= 1
-                if not group.countdown and group.position == r._next_launch:
+                bucket.countdown -= 1
+                if not bucket.countdown and bucket.position == r._next_launch:
                     r._launch_ready()
                     r._launched_in_backward = r._next_launch
 
@@ -175,13 +161,13 @@ class GradReducer(Reduction):
                 and grad.dtype is dtype
                 and grad.shape == shape
                 and grad.layout is _STRIDED
-                and r._group_of[k].defer
+                and r._bucket_of[k].defer
             ):
                 if state is not _ACCUMULATING:
                     r._begin_accumulating()
-                r._group_of[k].deferred.append((k, grad))
+                r._bucket_of[k].deferred.append((k, grad))
                 arrive(r, param)
-            elif r._absorb(param, k):
+            elif r.landing.absorb(r, param, k):
                 arrive(r, param)
 
         return hook, arrive, pre
@@ -203,11 +189,11 @@ class GradReducer(Reduction):
         """``param.main_grad`` for users: the view, zeroed first if stale. Touching it during a
         step counts as giving the param a gradient (it is reduced and stepped)."""
         k = self._k[param]
-        self.landing.settle(self)  # [Note: one rank steps autograd's gradients]
+        self.landing.settle()  # [Note: one rank steps autograd's gradients]
         if self.collecting and self.state is not StepState.REDUCED:
             self.landing.collect(self)
-        self._flush(self._group_of[k])
-        self._take(k)
+        self._land_deferred(self._bucket_of[k])
+        self.landing.take(k)
         if self.state is StepState.IDLE:
             self._begin_accumulating()
         return self._views[k]
@@ -218,70 +204,55 @@ class GradReducer(Reduction):
         self._begin_accumulating()
         self._arrive[self._k[param]](self, param)
 
+    def param_writes(self) -> int:
+        """The GradSink's count of param writes torch's version counters miss (the param
+        gathers): quantised-weight caches key on it ([Note: weights once per step] in
+        aligndp/lowp/linear.py)."""
+        return 0 if self.param_gather is None else self.param_gather.writes
+
     def buckets_in_flight(self) -> list:
         """Buckets launched and not yet waited for, in launch order (empty outside backward)."""
-        return [g.ref for g in self.groups if g.reducing]
+        return [b.ref for b in self.buckets if b.reducing]
 
-    # ---- hooks ----
-    def arm(self) -> None:
-        """Before a forward with grad: make every direct param's ``param.grad`` its view, so
-        autograd accumulates into the buffer itself ([Note: gradient as bucket view])."""
-        if self.collecting:  # autograd keeps its own tensors until _collect
-            return
-        armed, views, groups = self._armed, self._views, self._group_of
-        for k, p in enumerate(self.params):
-            if self._armable[k] and p.grad is None and not groups[k].defer:
-                p.grad = views[k]
-                armed[k] = True
+    def note_unwaited(self, params: set[nn.Parameter]) -> None:
+        """``params`` were read in forward before their all-gather was waited for."""
+        self._unwaited |= params
 
-    def _absorb(self, param: nn.Parameter, k: int) -> bool:
-        """Off the direct path: bring ``param.grad`` into its view and the model into
-        ACCUMULATING. False when there is no gradient (nothing arrived)."""
-        grad = param.grad
-        if grad is None:
-            return False
-        if grad.layout is not _STRIDED:  # as parallelize() refuses a sparse embedding
-            raise ValueError(
-                f"{self.param_names[param]} got a {grad.layout} gradient; aligndp reduces dense "
-                "flat buffers: make its layer give dense gradients (nn.Embedding(sparse=False))"
-            )
-        view = self._views[k]
-        if grad is view and k not in self._published:  # accumulated in place: nothing to do
-            self._reopen()
-            self._begin_accumulating()
-            return True
-        if k in self._published:  # autograd accumulated onto the visible grad
-            self._published.discard(k)  # (no forward through us): it is the new total
-            if not same_storage(grad, view):
-                view.copy_(grad.view_as(view))
-            self._reopen()  # the other visible grads
-        else:
-            self._reopen()
-            if self._stale[k] or self._armed[k]:  # the view was zero / is in grad
-                view.copy_(grad.view_as(view))
-            else:
-                view.add_(grad.view_as(view))
-        if self._direct[k]:
-            param.grad = view
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (micro-batches); the next backward outside syncs them."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    # ---- readiness and launches ----
+    def _launch_ready(self) -> None:
+        """Launch the buckets from the next one on while they have counted down to zero."""
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and not buckets[self._next_launch].countdown:
+            self._launch(buckets[self._next_launch])
+
+    def _land_deferred(self, bucket: Bucket) -> None:
+        for k in bucket.land_deferred():  # [Note: one copy per bucket] in grad_landing.py
             self._armed[k] = True
-        else:
-            param.grad = None
-        self._begin_accumulating()
-        return True
 
-    def _flush(self, group: BucketGroup) -> None:
-        """Copy the group's deferred gradients into the buffer (one ``_foreach_copy_``) and
-        make each ``param.grad`` its view."""
-        deferred, group.deferred = group.deferred, []
-        if not deferred:
-            return
-        views = self._views
-        with torch.no_grad():
-            torch._foreach_copy_([views[k] for k, _ in deferred], [g for _, g in deferred])
-        params, armed = self.params, self._armed
-        for k, _ in deferred:
-            params[k].grad = views[k]
-            armed[k] = True
+    def _launch(self, bucket: Bucket) -> None:
+        assert bucket.position == self._next_launch, "buckets launch in index order"
+        self._land_deferred(bucket)
+        stale, used, eager_zero = self._stale, self._used, self._eager_zero
+        for k in self._members[bucket.position]:
+            if stale[k]:
+                self.landing.take(k)
+            elif not eager_zero[k]:
+                used[k] = True  # written since zero_grad: by autograd, a fused kernel or the user
+        grad = bucket.grad()
+        if self.config.check_finite:
+            self.agreement.count_nonfinite(bucket, grad)
+        bucket.launch_reduce(grad)
+        self._next_launch += 1
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -295,19 +266,6 @@ class GradReducer(Reduction):
                 self._reopen()
             self.finish_grad_sync()
 
-    def _take(self, k: int) -> None:
-        """Zero a stale view before something adds into or reads it (direct views are zero
-        already unless their group deferred: [Note: deferring buckets are not zeroed])."""
-        if self._stale[k]:
-            self._stale[k] = False
-            if not self._direct[k] or self.landing.unzeroed[k]:
-                self.landing.unzeroed[k] = False
-                self._views[k].zero_()
-
-    def note_unwaited(self, params: set[nn.Parameter]) -> None:
-        """``params`` were read in forward before their all-gather was waited for."""
-        self._unwaited |= params
-
     # ---- the named transitions ([Note: step states]) ----
     def _begin_accumulating(self) -> None:
         """IDLE -> ACCUMULATING: the first gradient of a new step (after ``zero_grad``) — a
@@ -316,57 +274,79 @@ class GradReducer(Reduction):
         assert self.state is not StepState.REDUCED, "reopen the reduced grads first"
         self.state = StepState.ACCUMULATING
 
-    @torch.no_grad()
     def _reopen(self) -> None:
         """REDUCED -> ACCUMULATING: make the buffers hold the visible grads again
-        ([Note: step states]); a no-op in any other state."""
+        ([Note: step states], ``Landing.reopen``); a no-op in any other state."""
         if self.state is not StepState.REDUCED:
             return
-        self.landing.settle(self)  # the views take the adopted gradients first
+        self.landing.settle()  # the views take the adopted gradients first
         self.state = StepState.ACCUMULATING
         self.epoch += 1
-        for k in sorted(self._published):
-            p, slot = self.params[k], self._slots[k]
-            grad, flat = p.grad, slot.view.view(-1)
-            if grad is None:  # dropped by the user (model.zero_grad(), p.grad = None)
-                flat.zero_()
-            elif slot.owned is None:
-                if not same_storage(grad, slot.view):
-                    slot.view.copy_(grad.view_as(slot.view))
-                self._used[k] = True
-            else:  # own shard x dp_size (shard group's), zeros elsewhere: next mean adds to it
-                lo, hi = slot.owned.lo, slot.owned.hi
-                flat[:lo].zero_()
-                flat[hi:].zero_()
-                flat[lo:hi].mul_(self.dp_size)
-                self._used[k] = True
-            if self._direct[k]:  # autograd goes on accumulating into the view
-                if p.grad is not slot.view:
-                    p.grad = slot.view
-                self._armed[k] = True
-            else:
-                p.grad = None
-        self._published.clear()
+        self.landing.reopen(self._used, self.dp_size)
+
+    def finish_grad_sync(self) -> ReducedGrads:
+        """Reduce what has accumulated (launch every bucket not yet launched, wait for all),
+        agree with the other ranks and publish ``param.grad``: ACCUMULATING -> REDUCED, a
+        no-op in any other state. Runs by itself at the end of every synchronised backward.
+        Returns the read-only view of the reduced gradients ([Note: reduced grads view])
+        ([Note: agreement without a host sync] in step_agreement.py)."""
+        if self.collecting and self.state is not StepState.REDUCED:
+            # [Note: one rank collects at the end] in grad_landing.py, maybe adopting
+            self.landing.collect(self, adopt=self.landing.adopting)
+        if self.state is StepState.IDLE:  # [Note: undefined gradients]: armed views drop
+            self.landing.drop_armed()
+        if self.state is not StepState.ACCUMULATING:
+            return self.reduced()
+        self.agreement.raise_pending()
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        for bucket in self.buckets:
+            bucket.wait_reduce()
+        used, nonfinite, problems = self.agreement.agree(
+            used=self._used,
+            late=self._problems["late"],
+            stale_read=self._problems["stale_read"],
+            collectives=self.collectives,
+        )
+        self.last_round = RoundReport(self._launched_in_backward, len(self.buckets), len(used))
+        if self.config.overlap:  # [Note: bucket readiness]: this round's counts are the hints
+            self._expected[:] = self._fired
+            direct, expected = self._direct, self._expected
+            for b in self.buckets:  # [Note: one copy per bucket] in grad_landing.py
+                b.defer = all(direct[s.index] and expected[s.index] == 1 for s in b.slots)
+        self._reset_round()
+        self.epoch += 1
+        self.state = StepState.REDUCED
+        self.landing.publish(used, self._k)
+        self.nonfinite = None
+        if nonfinite:
+            skip = self.config.on_nonfinite == "skip"
+            self.nonfinite = nonfinite_message(nonfinite, skip=skip)
+            if not skip:
+                raise FloatingPointError(self.nonfinite)
+        if problems:
+            raise RuntimeError(problems)
+        return self.reduced()
 
     def _reset_round(self) -> None:
         n = len(self.params)
         self._fired[:] = [0] * n
-        for g in self.groups:
-            g.countdown = len(g.params)
-            g.reducing = False
-            g.deferred = []
+        for b in self.buckets:
+            b.countdown = len(b.params)
+            b.reducing = False
+            b.deferred = []
         self._next_launch = 0
         self._launched_in_backward = 0
         self._used[:] = [False] * n
         self._problems = {"late": set(), "stale_read": set()}
-        self._nonfinite = None
+        self.agreement.reset()
         self._unwaited = set()
 
     def zero_grad_buffer(self) -> None:
         """Start a new step (-> IDLE): every ``main_grad`` counts as zero ([Note: lazy zeroing]),
         every ``param.grad`` is dropped."""
-        self._stale[:] = self._stale_at_zero
-        self.landing.zero_buffers(self)
+        self._stale[:] = self.landing.stale_at_zero
+        self.landing.zero_buffers()
         for p in self.params:
             p.grad = None
         self._armed[:] = [False] * len(self.params)
@@ -377,6 +357,27 @@ class GradReducer(Reduction):
         self.epoch += 1
         self.state = StepState.IDLE
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as ``opt.zero_grad()``. ``set_to_none=False`` keeps zero gradients visible, so
+        params unused in the next step are still stepped (with zero gradient), as in torch."""
+        self.zero_grad_buffer()
+        if not set_to_none:
+            self._used[:] = [True] * len(self.params)
+            self._begin_accumulating()
+
+    def shadow_backward(self) -> ReducedGrads:
+        """A rank that ran out of batches under ``Join`` ([Note: join] in join.py): the
+        collectives of the others' synchronised backward with zero gradients of its own — every
+        bucket in launch order, then the agreement — so it ends REDUCED with their reduced
+        gradients, ready to step. The readiness hints of its own backwards are kept."""
+        expected = list(self._expected)
+        self.zero_grad_buffer()
+        self._begin_accumulating()
+        try:
+            return self.finish_grad_sync()
+        finally:
+            self._expected[:] = expected
+
     def reduced(self) -> ReducedGrads:
         """The read-only view of the current gradients ([Note: reduced grads view]): the last
         reduction's in REDUCED, none otherwise (IDLE: nothing to step)."""
@@ -386,8 +387,22 @@ class GradReducer(Reduction):
             if self.state is StepState.REDUCED:  # None: every param (nothing to hash)
                 full = len(self._published) == len(self.params)
                 has = None if full else frozenset(self.params[k] for k in self._published)
-            settle = functools.partial(self.landing.settle, self)  # owed copies: grad_landing
+            settle = self.landing.settle  # the copies one rank may owe: grad_landing.py
             view = self._view = ReducedGrads(
                 self, self.epoch, self.index, has, nonfinite=self.nonfinite, settle=settle
             )
         return view
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[ReducedGrads]:
+        """The optimizer's step window ([Note: one step, top-down] in
+        aligndp/optim/composite.py): wait for the param gathers still in flight (they read the
+        shards the step writes), reduce and agree (:meth:`finish_grad_sync`), hand the step
+        the reduced gradients; when the step ends, launch every bucket's param gather not yet
+        launched (each casts its masters back first). A skipped step (agreed non-finite
+        gradients) or one that raised launches nothing."""
+        self.param_gather.wait_all()
+        grads = self.finish_grad_sync()
+        yield grads
+        if grads.nonfinite is None:
+            self.param_gather.launch_rest()

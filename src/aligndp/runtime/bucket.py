@@ -1,25 +1,26 @@
-"""A bucket group: both directions of one unit of communication, gradients and params.
+"""The bucket: the unit of the step, both directions of one unit of communication.
 
-[Note: bucket groups]
-A :class:`BucketGroup` is built once per bucket from the model's
-:class:`~aligndp.runtime.step_state.ParamIndex` (:func:`bucket_groups`, in launch order) and
+[Note: the bucket]
+A :class:`Bucket` is built once per bucket of the plan from the model's
+:class:`~aligndp.runtime.step_state.ParamIndex` (:func:`make_buckets`, in launch order) and
 owns everything that happens to that bucket at run time:
 
 - readiness: ``countdown``, the params still to arrive before its gradient collective may
   start ([Note: bucket readiness] in DESIGN.md), reset from the last synchronised backward;
+- how its params' first gradients land when they are kept for one copy at launch
+  (``defer``, ``deferred``, :meth:`land_deferred`: [Note: one copy per bucket] in
+  grad_landing.py);
 - the gradient reduction: :meth:`launch_reduce` (all-reduce or reduce-scatter, mean) and
   :meth:`wait_reduce`, with ``reducing`` true in between;
 - the masters of this rank's owned pieces (``masters``, [Note: masters with the buckets] in
   masters.py), which an optimizer steps;
 - the param all-gather of sharded and layer-wise buffers: :meth:`launch_gather` (casting the
-  masters back into ``param_data`` first) and :meth:`wait_gather` (the pending classes of
-  [Note: reads wait for the gather] set and cleared with it); the forward pre-hooks of
-  :class:`~aligndp.runtime.param_gather.ParamGather` wait on groups.
+  masters back into ``param_data`` first) and :meth:`wait_gather`.
 
-The gradient reducer (grad_sync.py) decides *when* a group launches (strictly in position
+The gradient reducer (reducer.py) decides *when* a bucket launches (strictly in position
 order, so every rank issues the same sequence) and what the gradients mean; the param gather
-(param_gather.py) decides in which order groups gather. A group is one bucket: the bucket
-size (``bucket_numel``) already sets how much one collective carries, and every call
+(param_gather.py) decides in which order buckets gather and which reads wait for them. The
+bucket size (``bucket_numel``) already sets how much one collective carries, and every call
 through the collectives seam stays one bucket's tensor, so a backend (a 2-D mesh, FP8
 gathers) sees the same calls as before. Megatron-Core groups several buckets to issue them
 as one coalesced NCCL call; here that would be a larger ``bucket_numel``.
@@ -36,13 +37,13 @@ from aligndp.runtime.collectives import Collectives, Work
 from aligndp.runtime.gather_codec import CodedGather, GatherCodec, Sources, coded_gather
 from aligndp.runtime.masters import Master
 from aligndp.runtime.step_state import BucketRef, GradSlot, ParamIndex
-from aligndp.runtime.wrapped_param import PendingWaiter, mark_pending, settle
 
-__all__ = ["BucketGroup", "bucket_groups"]
+__all__ = ["Bucket", "make_buckets"]
 
 
-class BucketGroup:
-    """One bucket's readiness, gradient collective and param all-gather ([Note: bucket groups])."""
+class Bucket:
+    """One bucket's readiness, landing, gradient collective, masters and param all-gather
+    ([Note: the bucket])."""
 
     def __init__(
         self,
@@ -55,7 +56,7 @@ class BucketGroup:
     ) -> None:
         self.ref = ref
         self.position = position
-        """Launch position: the reducer launches group ``k`` only after groups ``0..k-1``."""
+        """Launch position: the reducer launches bucket ``k`` only after buckets ``0..k-1``."""
         self.buffer: FlatBuffer = index.buffer(ref)
         self.params: tuple[nn.Parameter, ...] = index.members[ref]
         """The bucket's params, in registration order."""
@@ -80,6 +81,8 @@ class BucketGroup:
         grad_landing.py): set per round by the reducer from the last round's arrivals."""
         self.deferred: list[tuple[int, torch.Tensor]] = []
         """(param index, gradient) waiting for that copy."""
+        self._member = {s.index: (p, s.view) for p, s in zip(self.params, self.slots)}
+        """Param index -> (param, its gradient view)."""
         self.masters: tuple[Master, ...] | None = None
         """This rank's masters of the bucket's owned pieces, once :meth:`keep_masters` set them
         (the build step ``attach_masters``); None before."""
@@ -87,12 +90,24 @@ class BucketGroup:
         self._sources: Sources = {}
         self._reduce_work: Work | None = None
         self._gather_work: Work | None = None
-        self._marked = False  # its params were marked pending by the gather in flight
 
     # ---- gradients ----
     def grad(self) -> torch.Tensor:
         """The bucket's elements of ``grad_data``."""
         return self._grad
+
+    @torch.no_grad()
+    def land_deferred(self) -> list[int]:
+        """Copy the deferred gradients into their views (one ``_foreach_copy_``), make each
+        ``param.grad`` its view and return their param indices ([Note: one copy per bucket])."""
+        deferred, self.deferred = self.deferred, []
+        if not deferred:
+            return []
+        members = [self._member[k] for k, _ in deferred]
+        torch._foreach_copy_([view for _, view in members], [g for _, g in deferred])
+        for param, view in members:
+            param.grad = view
+        return [k for k, _ in deferred]
 
     def launch_reduce(self, grad: torch.Tensor) -> None:
         """Start the bucket's gradient mean over the ranks (in place; a no-op on one rank)."""
@@ -121,10 +136,9 @@ class BucketGroup:
         self._cast_back = ([m.view for m in low], [m.master for m in low])
         self._sources = {id(m.param): m.master.view(-1) for m in masters if m.coded}
 
-    def launch_gather(self, waiter: PendingWaiter | None) -> None:
-        """Cast the bucket's masters back into ``param_data`` and start its param all-gather;
-        with ``waiter`` (overlapped with the next forward) its params are pending until
-        :meth:`wait_gather`. A coded gather encodes the coded masters
+    def launch_gather(self) -> None:
+        """Cast the bucket's masters back into ``param_data`` and start its param all-gather
+        (``gathering`` until :meth:`wait_gather`). A coded gather encodes the coded masters
         ([Note: FP8 param gather])."""
         if not self.gathers:
             return
@@ -134,35 +148,30 @@ class BucketGroup:
             self._gather_work = self.coded.launch(self.ref, self._sources)
         elif self.collectives.dp_size > 1:
             self._gather_work = self.collectives.all_gather_shards(self._param)
-        if waiter is not None and self._gather_work is not None:
-            # [Note: reads wait for the gather] in wrapped_param.py
-            mark_pending(self.params, waiter)
-            self._marked = True
 
-    def wait_gather(self) -> None:
-        """Wait for the param all-gather in flight, if any, and give its params their classes
-        back."""
+    def wait_gather(self) -> bool:
+        """Wait for the param all-gather in flight, if any (an FP8 one decodes); whether one
+        was."""
         work, self._gather_work = self._gather_work, None
-        if work is not None:
-            work.wait()
-            if self.coded is not None:
-                self.coded.finish(self.ref)
-            if self._marked:
-                self._marked = False
-                settle(self.params)
+        if work is None:
+            return False
+        work.wait()
+        if self.coded is not None:
+            self.coded.finish(self.ref)
+        return True
 
     @property
     def gathering(self) -> bool:
         return self._gather_work is not None
 
 
-def bucket_groups(
+def make_buckets(
     index: ParamIndex, *, collectives: Collectives, codec: GatherCodec | None = None
-) -> list[BucketGroup]:
-    """One :class:`BucketGroup` per bucket of ``index``, in launch order; ``codec`` encodes the
+) -> list[Bucket]:
+    """One :class:`Bucket` per bucket of ``index``, in launch order; ``codec`` encodes the
     buckets planned with a ``gather_dtype`` ([Note: FP8 param gather] in gather_codec.py)."""
     coded = coded_gather(index, codec, collectives=collectives)
     return [
-        BucketGroup(ref, k, index, collectives=collectives, coded=coded)
+        Bucket(ref, k, index, collectives=collectives, coded=coded)
         for k, ref in enumerate(index.refs)
     ]
