@@ -347,7 +347,7 @@ class DataParallel(nn.Module, JoinableModel):
     def wait_for_params(self) -> None:
         """Wait for every param all-gather still in flight (``overlap_param_gather=True``). Any
         read of a param already waits for its own gather ([Note: reads wait for the gather] in
-        wrapped_param.py); call this before reading through an alias taken before the step (a
+        param_gather.py); call this before reading through an alias taken before the step (a
         view, a ``data_ptr()``) or to end the step's communication. A no-op otherwise."""
         self.param_gather.wait_all()
 

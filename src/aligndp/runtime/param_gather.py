@@ -10,9 +10,9 @@ Timeline with ``overlap=True`` (NCCL runs collectives on its own stream, gloo on
     forward:    pre-hook of module m waits only for the buckets holding m's own params,
                 so the first layers start while later buckets are still in flight.
 
-While a bucket's gather is in flight its params are *pending* ([Note: reads wait for the
-gather], below): any read of one outside its module's forward (an EMA, a weight norm, an
-evaluation through another module) waits for that bucket first. The next step's window
+While a bucket's gather is in flight its params are *pending* (the Note below): any read of
+one outside its module's forward (an EMA, a weight norm, an evaluation through another
+module) waits for that bucket first. The next step's window
 (``reducer.update()``), ``model.finish_grad_sync()``, checkpoints and
 ``model.wait_for_params()`` call :meth:`ParamGather.wait_all`. Buckets of buffers planned
 with a ``gather_dtype`` go through a :class:`~aligndp.runtime.gather_codec.CodedGather`
@@ -89,7 +89,7 @@ class ParamGather:
         self._buckets: dict[BucketRef, Bucket] = {b.ref: b for b in buckets if b.gathers}
         """The buckets that hold params, by reference."""
         self._launched: set[BucketRef] = set()
-        self._marked: set[BucketRef] = set()  # their params are pending ([Note: reads wait...])
+        self._marked: set[BucketRef] = set()  # their params are pending (reads wait for the gather)
         self.writes = 0
         """Bucket gathers launched so far (at dp_size 1 too, where the step's cast-back alone
         wrote ``param_data``): the params' values changed without their version counters

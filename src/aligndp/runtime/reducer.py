@@ -1,11 +1,7 @@
-"""The gradient reducer of :class:`~aligndp.runtime.ddp.DataParallel` (``model.reducer``): the
-per-param hooks, bucket readiness and launch order, the step states, and the step window the
-optimizer updates in.
-
-``DataParallel`` composes one :class:`GradReducer` over its ``ParamIndex`` (step_state.py)
-and its :class:`~aligndp.runtime.bucket.Bucket` s. Where a gradient lands in its view and
-where ``param.grad`` points: grad_landing.py; what the ranks agree at the end of backward:
-step_agreement.py. ``state`` changes in these named transitions only ([Note: step states]):
+"""The gradient reducer of :class:`~aligndp.runtime.ddp.DataParallel` (``model.reducer``, over
+its :class:`~aligndp.runtime.bucket.Bucket` s): per-param hooks, bucket readiness and launch
+order, the step states, the optimizer's step window. Where gradients land: grad_landing.py;
+what the ranks agree: step_agreement.py. ``state`` changes in these transitions only:
 
     _begin_accumulating   IDLE -> ACCUMULATING      the first gradient of a new step
     _reopen               REDUCED -> ACCUMULATING   a gradient after the reduction
@@ -14,13 +10,11 @@ step_agreement.py. ``state`` changes in these named transitions only ([Note: ste
 
 [Note: one closure per param]
 Per-param state is lists indexed by the param's registration index ``k`` (no hash of a
-param), and each param's post-accumulate hook is a closure bound to its ``k``, which finds
-its view and :class:`~aligndp.runtime.bucket.Bucket` through the reducer (weakly:
-[Note: dropped wrappers]). On the direct path ([Note: gradient as bucket view] in ddp.py:
-ACCUMULATING, ``param.grad`` is the view) the hook only marks the param written and counts
-its bucket down; all else goes through ``Landing.absorb`` first (reopen, copy or add into the
-view). A fused kernel's ``mark_ready`` runs the same ``arrive`` closure; its weight is never
-armed ([Note: gradient as bucket view]).
+param); each param's post-accumulate hook is a closure bound to its ``k``, which finds its
+view and bucket through the reducer (weakly: [Note: dropped wrappers]). On the direct path
+([Note: gradient as bucket view] in ddp.py) the hook only marks the param written and counts
+its bucket down; all else goes through ``Landing.absorb`` first. A fused kernel's
+``mark_ready`` runs the same ``arrive`` closure; its weight is never armed.
 """
 
 from __future__ import annotations
@@ -66,8 +60,7 @@ class GradReducer:
         fused: Collection[nn.Parameter] = (),
     ) -> None:
         """``params`` in registration order; ``config``: the model's ``DDPConfig``; ``rank``: among
-        all ranks; ``eager_zero``: params whose stale views are zeroed at ``zero_grad``;
-        ``fused``: the weights of fused-wgrad layers (they write their views themselves)."""
+        all ranks; ``eager_zero``, ``fused``: see :class:`~aligndp.runtime.grad_landing.Landing`."""
         self.index, self.buckets, self.config = index, list(buckets), config
         self.params, self.param_names = list(params), names
         self.collectives, self.rank, self.device = collectives, rank, device
@@ -395,12 +388,10 @@ class GradReducer:
 
     @contextlib.contextmanager
     def update(self) -> Iterator[ReducedGrads]:
-        """The optimizer's step window ([Note: one step, top-down] in
-        aligndp/optim/composite.py): wait for the param gathers still in flight (they read the
-        shards the step writes), reduce and agree (:meth:`finish_grad_sync`), hand the step
-        the reduced gradients; when the step ends, launch every bucket's param gather not yet
-        launched (each casts its masters back first). A skipped step (agreed non-finite
-        gradients) or one that raised launches nothing."""
+        """The optimizer's step window ([Note: one step, top-down] in optim/composite.py): wait
+        for the param gathers in flight (they read the shards the step writes), reduce and
+        agree, hand the step the reduced gradients; after it, launch every bucket's gather not
+        yet launched. A skipped step (non-finite gradients) or one that raised launches none."""
         self.param_gather.wait_all()
         grads = self.finish_grad_sync()
         yield grads
