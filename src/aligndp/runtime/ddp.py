@@ -38,7 +38,7 @@ view still stale at its bucket's launch (an unused param) is zeroed then. A para
 Where a buffer's grad dtype is its params' dtype, ``forward`` (grad enabled) makes each param's
 ``param.grad`` its ``main_grad`` view when it is None (``Landing.arm``, grad_landing.py), as
 torch DDP's ``gradient_as_bucket_view``: autograd's AccumulateGrad adds into the buffer
-itself, and the post-accumulate hook only counts (identity check, its group's countdown: no
+itself, and the post-accumulate hook only counts (identity check, its bucket's countdown: no
 copy, no Python work per element). The hook copies only off this path: a param whose grad
 dtype differs, a backward whose forward bypassed the wrapper, ``create_graph=True`` (autograd
 replaces ``param.grad``). A fused-wgrad layer's weight is never armed: the layer returns no

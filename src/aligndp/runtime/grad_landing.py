@@ -40,10 +40,11 @@ fused-wgrad params keep the armed path). Anything that reads a view before its l
 A deferring bucket's views are overwritten by its copy, so ``zero_grad`` leaves them as they
 are (``Landing.unzeroed``) and zeroes only the buckets autograd will add into, each run of
 neighbouring ones in one op: once every param arrives once per step, nothing is zeroed at
-all. Where a view of such a bucket is still stale when something reads it (an unused param at
-its bucket's launch, ``param.main_grad``), ``_take`` zeroes that view alone. A bucket holding a
-param that keeps its own ``Parameter`` subclass (its ``main_grad`` is read without us) is
-zeroed as before. On one H200 the whole-buffer zeroing was a visible part of a 1b step.
+all. Where a view of such a bucket is still stale when something reads it (an unused param
+at its bucket's launch, ``param.main_grad``), ``Landing.take`` zeroes that view alone. A
+bucket holding a param that keeps its own ``Parameter`` subclass (its ``main_grad`` is read
+without us) is zeroed as before. On one H200 the whole-buffer zeroing was a visible part of
+a 1b step.
 
 [Note: one rank collects at the end]
 One rank alone (dp 1, no replicas) reduces nothing, so there is nothing to overlap and no
@@ -82,16 +83,15 @@ beside the buffer they may be read into: that buffer is the memory one rank spen
 
 [Note: one rank's host time]
 A compiled one-rank step of a small model is host-bound (gpt2-small on one H200: more host
-time per step than GPU time), so each Python pass over the params at
-the end of backward and at ``zero_grad`` shows in the step time. Each pass reads a param once
-and calls nothing per param on the usual path: :meth:`Landing.collect` reads every
-``param.grad`` in one list and checks it against the dtype and shape its view had when it was
-built; a group's launch calls ``_take`` only for a stale view; publishing skips an adopted
-param with one list lookup; collecting, the buckets ``zero_grad`` leaves unzeroed are chosen
-once (nothing defers or adds there, so the choice cannot change). ``param.grad`` of a
-``WrappedParameter`` costs more per read than a plain param's
-([Note: plain class while stepping] in runtime/wrapped_param.py), so a pass that reads it
-twice pays twice.
+time per step than GPU time), so each Python pass over the params at the end of backward and
+at ``zero_grad`` shows in the step time. Each pass reads a param once and calls nothing per
+param on the usual path: :meth:`Landing.collect` reads every ``param.grad`` in one list and
+checks it against the dtype and shape its view had when it was built; a bucket's launch
+calls ``Landing.take`` only for a stale view; publishing skips an adopted param with one list
+lookup; collecting, the buckets ``zero_grad`` leaves unzeroed are chosen once (nothing
+defers or adds there, so the choice cannot change). ``param.grad`` of a ``WrappedParameter``
+costs more per read than a plain param's ([Note: plain class while stepping] in
+runtime/wrapped_param.py), so a pass that reads it twice pays twice.
 """
 
 from __future__ import annotations
