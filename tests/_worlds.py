@@ -33,6 +33,7 @@ job.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -103,7 +104,7 @@ def _serve(rank: int, world_size: int, init_file: str, conn: connection.Connecti
             break
         _take_inherited(job)
         with warnings.catch_warnings():  # the filters as they were, after the job
-            failed = _run_job(rank, world_size, job)
+            failed = _run_job(rank, world_size, job, conn)
         start.restore()
         conn.send(("done", failed))
     dist.destroy_process_group()
@@ -165,10 +166,16 @@ class _ProcessState:
         gc.collect()
 
 
-def _run_job(rank: int, world_size: int, job: Job) -> bool:
+def _run_job(rank: int, world_size: int, job: Job, conn: connection.Connection) -> bool:
     """Run the job's cases; after each, the ranks agree on whether anybody failed, so one
     rank's error cannot leave the others waiting in a collective of the next case. True if a
-    case failed (on any rank)."""
+    case failed (on any rank).
+
+    A failed case is told to the pytest process at once (``("failed", case, error)``), before
+    the agreement, and every rank says when it has agreed on it (``("agreed", case)``): a rank
+    that failed between two collectives of a case leaves the others waiting in the second, and
+    the pytest process stops the world when they do not follow (:meth:`World.run`), after
+    SIGUSR1 made them write where they wait (``rank{r}.stuck``)."""
     import importlib
 
     import torch
@@ -179,15 +186,15 @@ def _run_job(rank: int, world_size: int, job: Job) -> bool:
     _log_time(rank, world_size, job.module, "(import)", began)
     results: dict[str, str | None] = {}
     out = job.out_dir
-    with open(os.path.join(out, f"rank{rank}.stack"), "w") as stacks:
+    with (
+        open(os.path.join(out, f"rank{rank}.stack"), "w") as stacks,
+        open(os.path.join(out, f"rank{rank}.stuck"), "w") as stuck,
+    ):
+        faulthandler.register(signal.SIGUSR1, file=stuck, all_threads=True)
         for name in job.names:
             _write(os.path.join(out, f"rank{rank}.current"), name)
-            stacks.seek(0)
-            stacks.truncate()
-            stacks.write(
-                f"rank {rank} ran case {name} for over {job.case_timeout:.0f} s; it waits in:\n"
-            )
-            stacks.flush()
+            _header(stacks, f"rank {rank} ran case {name} for over {job.case_timeout:.0f} s")
+            _header(stuck, f"rank {rank} had not finished case {name} when another rank failed it")
             faulthandler.dump_traceback_later(job.case_timeout, exit=True, file=stacks)
             began = time.perf_counter()
             error = None
@@ -198,6 +205,8 @@ def _run_job(rank: int, world_size: int, job: Job) -> bool:
             except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported
                 error = f"rank {rank}: " + traceback.format_exc()
             faulthandler.cancel_dump_traceback_later()
+            if error is not None:
+                conn.send(("failed", name, error))
             flag = torch.tensor([0 if error is None else 1])
             dist.all_reduce(flag)
             if error is None and flag.item():
@@ -206,8 +215,19 @@ def _run_job(rank: int, world_size: int, job: Job) -> bool:
             _log_time(rank, world_size, job.module, name, began)
             _write(os.path.join(out, f"rank{rank}.pkl"), results)  # survives a later crash
             dist.barrier()
+            if flag.item():
+                conn.send(("agreed", name))
+        faulthandler.unregister(signal.SIGUSR1)
     _write(os.path.join(out, f"rank{rank}.current"), None)
     return any(error is not None for error in results.values())
+
+
+def _header(f, what: str) -> None:
+    """Start ``f`` afresh with a line saying whose stacks faulthandler may write after it."""
+    f.seek(0)
+    f.truncate()
+    f.write(f"{what}; it waits in:\n")
+    f.flush()
 
 
 def _log_time(rank: int, world_size: int, module: str, name: str, began: float) -> None:
@@ -259,7 +279,10 @@ class World:
 
     def run(self, job: Job) -> tuple[str | None, bool]:
         """Run ``job`` on every rank: (why a rank is gone or None, whether a case failed). A
-        world with a dead rank is stopped."""
+        world with a dead rank is stopped, and so is one where a case failed on some rank and
+        the others had not agreed on it :func:`failure_grace` seconds later (they wait in a
+        collective the failed rank left): why names the case, the failure and where they
+        wait."""
         for conn in self.conns:
             try:
                 conn.send(job)
@@ -268,28 +291,50 @@ class World:
         waiting = set(range(self.size))
         raised: dict[int, str] = {}
         failed = False
+        watch = _FailureWatch(self.size, failure_grace())
         while waiting:
             sentinels = [p.sentinel for p in self.procs]
-            for ready in connection.wait([self.conns[r] for r in waiting] + sentinels):
+            conns = [self.conns[r] for r in waiting]
+            for ready in connection.wait(conns + sentinels, timeout=watch.left()):
                 if ready in sentinels:
                     continue
                 r = self.conns.index(ready)
                 try:
-                    what, detail = ready.recv()
-                except EOFError:
+                    what, *detail = ready.recv()
+                except (EOFError, OSError):
                     continue  # the rank exited: its sentinel says how
+                if what in ("failed", "agreed"):
+                    watch.note(r, what, *detail)
+                    continue
                 waiting.discard(r)
                 if what == "raised":  # and it exits
-                    raised[r] = detail
+                    raised[r] = detail[0]
                     self.procs[r].join(timeout=30)
                 else:
-                    failed = failed or detail
+                    failed = failed or detail[0]
             dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
             if dead:
                 self.close(at_once=True)
                 why = "; ".join(_death(r, self.procs[r].exitcode, raised.get(r)) for r in dead)
                 return why, True
+            if watch.expired():
+                stuck = watch.stuck()
+                self._dump_stacks(stuck, job.out_dir)
+                self.close(at_once=True)
+                return watch.why(stuck), True
         return None, failed
+
+    def _dump_stacks(self, ranks: list[int], out_dir: str) -> None:
+        """SIGUSR1 to ``ranks``: each writes every thread's stack to ``rank{r}.stuck``
+        (faulthandler, so also while a C++ collective holds its main thread)."""
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        for r in ranks:
+            path = os.path.join(out_dir, f"rank{r}.stuck")
+            while time.monotonic() < deadline and "most recent call first" not in _text(path):
+                time.sleep(0.05)
 
     def close(self, at_once: bool = False) -> None:
         """Stop every rank: asked to leave (unless ``at_once``), then terminated, then killed."""
@@ -312,6 +357,64 @@ class World:
         for conn in self.conns:
             conn.close()
         self._tmp.cleanup()
+
+
+class _FailureWatch:
+    """The pytest process's view of a job's failed case: the ranks that failed it (with their
+    errors) and those that have agreed on it since; a deadline while some have not."""
+
+    def __init__(self, size: int, grace: float) -> None:
+        self.size, self.grace = size, grace
+        self.case: str | None = None
+        self.errors: dict[int, str] = {}
+        self.agreed: dict[str, set[int]] = {}
+        self.deadline: float | None = None
+
+    def note(self, rank: int, what: str, case: str, error: str | None = None) -> None:
+        agreed = self.agreed.setdefault(case, set())
+        if what == "agreed":  # may come before another rank's "failed" (other pipes)
+            agreed.add(rank)
+        elif self.case in (None, case):
+            self.case = case
+            self.errors[rank] = error
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.grace
+        if self.case == case and len(agreed) == self.size:
+            self.case, self.errors, self.deadline = None, {}, None
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def stuck(self) -> list[int]:
+        """The ranks that neither failed the case nor agreed on it."""
+        done = self.agreed.get(self.case, set()) | set(self.errors)
+        return [r for r in range(self.size) if r not in done]
+
+    def why(self, stuck: list[int]) -> str:
+        first = self.errors[min(self.errors)]
+        return (
+            f"rank(s) {sorted(self.errors)} failed case {self.case} and rank(s) {stuck} had not "
+            f"finished it {self.grace:.0f} s later (they wait in a call the failed rank(s) "
+            f"left, in the stacks below), so the world was stopped; the first failure:\n{first}"
+        )
+
+
+def failure_grace() -> float:
+    """Seconds the other ranks of a world get to finish a case that failed on one rank
+    (``ALIGNDP_TEST_FAILURE_GRACE``, default 10) before the world is stopped. Read at each
+    job."""
+    return float(os.environ.get("ALIGNDP_TEST_FAILURE_GRACE", "10"))
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def _death(rank: int, code: int, raised: str | None) -> str:
