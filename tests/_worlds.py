@@ -21,7 +21,11 @@ A world is given up, and the next job of its size starts a new one, when a rank 
 running case fails, the others are not run: tests/_dist.py reports them), when any case of a
 job fails (a rank that raised between two collectives may leave the others' collective
 sequence out of step, which must not fail the next module), or when environment variables that
-only take effect at start (``ATEN_*``, ``OMP_*``, thread counts) differ from the world's.
+only take effect at start (``ATEN_*``, ``OMP_*``, thread counts) differ from the world's. A
+world is stopped at once, without waiting for its job, when a case failed on some ranks and
+the others have not finished it ``ALIGNDP_TEST_FAILURE_GRACE`` seconds (default 10) later:
+they wait in a collective the failed ranks left, which would hang until a timeout (gloo's, or
+the case's); they first write where they wait (SIGUSR1, faulthandler).
 
 ``ALIGNDP_TEST_KEPT_RANKS`` (default 8) caps the ranks kept alive at once, so memory stays
 bounded: starting a world past the cap first stops the least recently used ones, and a world
