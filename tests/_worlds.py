@@ -1,5 +1,6 @@
 """Gloo worlds kept alive for the whole pytest session, one per world size (tests/_dist.py's
-job-running part).
+job-running part): the pytest process's side (starting, reusing and stopping worlds); each
+rank's side, running a job's cases, is tests/_world_rank.py.
 
 Starting a world costs seconds (every rank imports torch and aligndp), and a session needs
 worlds of 1, 2, 3, 4 and 8 ranks for about 25 modules. So a world, once started, stays and runs
@@ -38,219 +39,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
-import faulthandler
 import os
-import pickle
-import random
 import signal
-import sys
 import tempfile
 import time
-import traceback
-import warnings
-from dataclasses import dataclass, field
 from multiprocessing import connection, get_context
 
-TIMEOUT = datetime.timedelta(seconds=120)
-"""gloo's timeout for one collective of the runner's own (the world's start, the agreement
-after each case)."""
+from tests._world_rank import Job, rank_main
+
+__all__ = ["Job", "World", "failure_grace", "kept", "run_job"]
 
 _START_ONLY_ENV = ("ALIGNDP_TEST_THREADS", "ATEN_", "MKL_", "OMP_", "KMP_", "LD_", "PYTHON")
 """Prefixes of variables read once, when a rank starts (torch's import, the thread count): a
 world started under other values is not reused."""
-
-
-@dataclass
-class Job:
-    """What every rank of a world runs: ``names`` of ``module`` in order, results under
-    ``out_dir`` (``rank{r}.pkl``, ``.current``, ``.stack``), as a fresh rank would see it."""
-
-    module: str
-    names: list[str]
-    out_dir: str
-    case_timeout: float
-    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    cwd: str = field(default_factory=os.getcwd)
-    sys_path: list[str] = field(default_factory=lambda: list(sys.path))
-
-
-# ---- the rank's side ----
-
-
-def _rank_main(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
-    try:
-        _serve(rank, world_size, init_file, conn)
-    except BaseException:  # noqa: BLE001  outside any case: the rank is lost, say why
-        conn.send(("raised", traceback.format_exc()))
-        _leave(1)
-    _leave(0)
-
-
-def _serve(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
-    """Start the rank, then run jobs until the pytest process says stop (or is gone)."""
-    import torch
-    import torch.distributed as dist
-
-    # 1 thread per rank; ALIGNDP_TEST_THREADS=2 re-runs the cases with other reduction splits
-    # (tests/models.py [Tolerances])
-    torch.set_num_threads(int(os.environ.get("ALIGNDP_TEST_THREADS", "1")))
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
-    )
-    start = _ProcessState()
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:  # the pytest process is gone
-            break
-        if job is None:
-            break
-        _take_inherited(job)
-        with warnings.catch_warnings():  # the filters as they were, after the job
-            failed = _run_job(rank, world_size, job, conn)
-        start.restore()
-        conn.send(("done", failed))
-    dist.destroy_process_group()
-
-
-def _leave(code: int) -> None:
-    # Leave without interpreter teardown: about 1 run in 16 aborted there ("terminate called
-    # without an active exception", no Python frame) after every case had passed and the
-    # results were written, failing the whole world size.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _take_inherited(job: Job) -> None:
-    """What a spawned rank inherits from the pytest process, as of this job; fresh seeds."""
-    import torch
-
-    os.environ.clear()
-    os.environ.update(job.environ)
-    os.chdir(job.cwd)
-    sys.path[:] = job.sys_path
-    torch.seed()
-    random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-
-
-class _ProcessState:
-    """The process-wide settings a case may change, as the rank had them at start."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.dtype = torch.get_default_dtype()
-        self.device = torch.get_default_device()
-        self.grad = torch.is_grad_enabled()
-        self.anomaly = torch.is_anomaly_enabled()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        self.matmul = torch.get_float32_matmul_precision()
-        self.threads = torch.get_num_threads()
-
-    def restore(self) -> None:
-        import gc
-
-        import torch
-
-        if "torch._dynamo" in sys.modules:  # imported by a case: drop its compiled code
-            torch._dynamo.reset()
-        torch.set_default_dtype(self.dtype)
-        if torch.get_default_device() != self.device:
-            torch.set_default_device(self.device)
-        torch.set_grad_enabled(self.grad)
-        torch.set_anomaly_enabled(self.anomaly)
-        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
-        torch.set_float32_matmul_precision(self.matmul)
-        torch.set_num_threads(self.threads)
-        gc.collect()
-
-
-def _run_job(rank: int, world_size: int, job: Job, conn: connection.Connection) -> bool:
-    """Run the job's cases; after each, the ranks agree on whether anybody failed, so one
-    rank's error cannot leave the others waiting in a collective of the next case. True if a
-    case failed (on any rank).
-
-    A failed case is told to the pytest process at once (``("failed", case, error)``), before
-    the agreement, and every rank says when it has agreed on it (``("agreed", case)``): a rank
-    that failed between two collectives of a case leaves the others waiting in the second, and
-    the pytest process stops the world when they do not follow (:meth:`World.run`), after
-    SIGUSR1 made them write where they wait (``rank{r}.stuck``)."""
-    import importlib
-
-    import torch
-    import torch.distributed as dist
-
-    began = time.perf_counter()
-    mod = importlib.import_module(job.module)
-    _log_time(rank, world_size, job.module, "(import)", began)
-    results: dict[str, str | None] = {}
-    out = job.out_dir
-    with (
-        open(os.path.join(out, f"rank{rank}.stack"), "w") as stacks,
-        open(os.path.join(out, f"rank{rank}.stuck"), "w") as stuck,
-    ):
-        faulthandler.register(signal.SIGUSR1, file=stuck, all_threads=True)
-        for name in job.names:
-            _write(os.path.join(out, f"rank{rank}.current"), name)
-            _header(stacks, f"rank {rank} ran case {name} for over {job.case_timeout:.0f} s")
-            _header(stuck, f"rank {rank} had not finished case {name} when another rank failed it")
-            faulthandler.dump_traceback_later(job.case_timeout, exit=True, file=stacks)
-            began = time.perf_counter()
-            error = None
-            try:
-                getattr(mod, name)(rank, world_size)
-            except KeyboardInterrupt:
-                raise
-            except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported
-                error = f"rank {rank}: " + traceback.format_exc()
-            faulthandler.cancel_dump_traceback_later()
-            if error is not None:
-                conn.send(("failed", name, error))
-            flag = torch.tensor([0 if error is None else 1])
-            dist.all_reduce(flag)
-            if error is None and flag.item():
-                error = f"rank {rank}: another rank failed"
-            results[name] = error
-            _log_time(rank, world_size, job.module, name, began)
-            _write(os.path.join(out, f"rank{rank}.pkl"), results)  # survives a later crash
-            dist.barrier()
-            if flag.item():
-                conn.send(("agreed", name))
-        faulthandler.unregister(signal.SIGUSR1)
-    _write(os.path.join(out, f"rank{rank}.current"), None)
-    return any(error is not None for error in results.values())
-
-
-def _header(f, what: str) -> None:
-    """Start ``f`` afresh with a line saying whose stacks faulthandler may write after it."""
-    f.seek(0)
-    f.truncate()
-    f.write(f"{what}; it waits in:\n")
-    f.flush()
-
-
-def _log_time(rank: int, world_size: int, module: str, name: str, began: float) -> None:
-    """With ``ALIGNDP_TEST_CASE_TIMES=<file>``, rank 0 appends ``seconds<TAB>module[ws]::case``
-    (the case and the ranks' agreement after it): pytest's ``--durations`` sees only the first
-    test of each world size, which waits for the whole job."""
-    path = os.environ.get("ALIGNDP_TEST_CASE_TIMES")
-    if path and rank == 0:
-        with open(path, "a") as f:
-            f.write(f"{time.perf_counter() - began:.2f}\t{module}[{world_size}]::{name}\n")
-
-
-def _write(path: str, obj: object) -> None:
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-# ---- the pytest process's side ----
 
 
 class World:
@@ -267,7 +68,7 @@ class World:
         for rank in range(size):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(rank, size, init_file, theirs), name=f"rank{rank}"
+                target=rank_main, args=(rank, size, init_file, theirs), name=f"rank{rank}"
             )
             proc.start()
             theirs.close()
@@ -318,6 +119,8 @@ class World:
                     failed = failed or detail[0]
             dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
             if dead:
+                if any(_dumped(job.out_dir, r, "stack") for r in dead):
+                    self._let_exit(5)  # a case timeout: the others' are due too, let them dump
                 self.close(at_once=True)
                 why = "; ".join(_death(r, self.procs[r].exitcode, raised.get(r)) for r in dead)
                 return why, True
@@ -328,6 +131,12 @@ class World:
                 return watch.why(stuck), True
         return None, failed
 
+    def _let_exit(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every rank to exit by itself."""
+        deadline = time.monotonic() + seconds
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+
     def _dump_stacks(self, ranks: list[int], out_dir: str) -> None:
         """SIGUSR1 to ``ranks``: each writes every thread's stack to ``rank{r}.stuck``
         (faulthandler, so also while a C++ collective holds its main thread)."""
@@ -336,8 +145,7 @@ class World:
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
         deadline = time.monotonic() + 5
         for r in ranks:
-            path = os.path.join(out_dir, f"rank{r}.stuck")
-            while time.monotonic() < deadline and "most recent call first" not in _text(path):
+            while time.monotonic() < deadline and not _dumped(out_dir, r, "stuck"):
                 time.sleep(0.05)
 
     def close(self, at_once: bool = False) -> None:
@@ -413,12 +221,13 @@ def failure_grace() -> float:
     return float(os.environ.get("ALIGNDP_TEST_FAILURE_GRACE", "10"))
 
 
-def _text(path: str) -> str:
+def _dumped(out_dir: str, rank: int, kind: str) -> bool:
+    """Whether faulthandler wrote ``rank``'s stacks to its ``rank{r}.{kind}`` file."""
     try:
-        with open(path) as f:
-            return f.read()
+        with open(os.path.join(out_dir, f"rank{rank}.{kind}")) as f:
+            return "most recent call first" in f.read()
     except FileNotFoundError:
-        return ""
+        return False
 
 
 def _death(rank: int, code: int, raised: str | None) -> str:
