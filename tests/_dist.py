@@ -15,7 +15,11 @@ Every failure names its case: a case may raise anything, ``BaseException`` inclu
 reported as that case's failure while the other cases of its world size still run. A rank
 that dies outright (``os._exit``, a crash in C++) fails the case it was running, named from a
 progress file each rank writes before every case; the cases after it are reported as not run.
-A case that runs past :func:`case_timeout` on a rank fails with every rank's stacks.
+A case that runs past :func:`case_timeout` on a rank fails with every rank's stacks. A case
+that fails on some ranks while the others wait in a collective the failed ones left (a check
+on one rank only, between two collectives) fails within ``ALIGNDP_TEST_FAILURE_GRACE``
+seconds (default 10) with the failure and where the others wait: the world is stopped
+(tests/_worlds.py), and the cases after it are reported as not run.
 """
 
 from __future__ import annotations
@@ -77,25 +81,31 @@ def run_cases(module: str, names: list[str], world_size: int) -> dict[str, str |
             if name in crashed_in:
                 ranks = [r for r, n in running.items() if n == name]
                 merged[name] = (
-                    f"a rank process died while rank(s) {ranks} ran this case: {died}"
-                    + _timed_out(tmp, world_size)
+                    f"a rank process died or the world was stopped while rank(s) {ranks} ran "
+                    f"this case: {died}" + _stacks(tmp, world_size)
                 )
             else:
                 merged[name] = (
-                    f"not run: a rank process died during {crashed_in or 'start-up'}: {died}"
+                    f"not run: a rank process died or the world was stopped during "
+                    f"{crashed_in or 'start-up'}: {died}"
                 )
         return merged
 
 
-def _timed_out(tmp: str, world_size: int) -> str:
-    """The stacks of the ranks whose case ran past :data:`CASE_TIMEOUT` (faulthandler's dump:
-    a header naming rank and case, then every thread's stack), or ""."""
+def _stacks(tmp: str, world_size: int) -> str:
+    """The stacks the ranks dumped (faulthandler: a header naming rank and case, then every
+    thread's stack): past :func:`case_timeout` (``rank{r}.stack``), or when the world was
+    stopped after another rank failed the case (``rank{r}.stuck``); or ""."""
     out = ""
     for r in range(world_size):
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(tmp, f"rank{r}.stack")) as f:
-            text = f.read()
-            if "most recent call first" in text:
-                out += "\n" + text
+        for kind in ("stack", "stuck"):
+            with (
+                contextlib.suppress(FileNotFoundError),
+                open(os.path.join(tmp, f"rank{r}.{kind}")) as f,
+            ):
+                text = f.read()
+                if "most recent call first" in text:
+                    out += "\n" + text
     return out
 
 

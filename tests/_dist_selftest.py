@@ -54,6 +54,17 @@ def case_hangs_in_a_barrier_on_rank_0(rank, ws):
         time.sleep(60)
 
 
+def case_fails_on_rank_0_while_rank_1_waits_in_a_collective(rank, ws):
+    """Rank 0's check fails between two collectives of a group of the case's; rank 1 waits in
+    the second for as long as the group's timeout (10 minutes)."""
+    import datetime
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(minutes=10))
+    dist.barrier(group=group)
+    assert rank != 0, "rank 0's check failed"
+    dist.barrier(group=group)
+
+
 # ---- kept worlds (tests/_worlds.py): each job sees what a freshly spawned world would ----
 
 

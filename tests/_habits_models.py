@@ -233,20 +233,32 @@ class RebindingSGD(_PerParamSGD):
 class _Late:
     """The handle of a gather whose result lands in its bucket only when waited for."""
 
-    def __init__(self, bucket: torch.Tensor, staged: torch.Tensor) -> None:
-        self.bucket, self.staged = bucket, staged
+    def __init__(self, bucket: torch.Tensor, staged: torch.Tensor, unwaited: dict) -> None:
+        self.bucket, self.staged, self.unwaited = bucket, staged, unwaited
+        self.landed = False
 
     def wait(self, *args, **kwargs) -> bool:
-        self.bucket.copy_(self.staged)
+        if not self.landed:
+            self.bucket.copy_(self.staged)
+            self.landed = True
+            self.unwaited.pop(_bucket_key(self.bucket), None)
         return True
 
     def is_completed(self) -> bool:
-        return False
+        return self.landed
+
+
+def _bucket_key(bucket: torch.Tensor) -> tuple[int, int]:
+    return bucket.data_ptr(), bucket.numel()
 
 
 class LateGathers(TorchCollectives):
     """Every param all-gather lands in its bucket only when waited for: a slow network, made
     deterministic, so a missing wait reads stale weights every time (FSDP2's delay injection).
+    A gather nobody waited for lands, at the latest, when the next gather of its bucket is
+    launched, over whatever was written into the bucket meanwhile (a real backend completes
+    it some time, and gloo runs two collectives of a group on two threads in any order): a
+    step that casts its masters back before waiting for the last step's gathers loses them.
     Registered through the collectives seam as ``"late-gather"``; ``gathers`` counts them."""
 
     name = "late-gather"
@@ -254,12 +266,22 @@ class LateGathers(TorchCollectives):
     def __init__(self, group) -> None:
         super().__init__(group)
         self.gathers = 0
+        self.unwaited: dict[tuple[int, int], _Late] = {}
+        """The gathers launched and not waited for, by their bucket."""
+        self.clobbered = 0
+        """Gathers that landed at the next launch of their bucket (never waited for)."""
 
     def all_gather_shards(self, bucket: torch.Tensor) -> _Late:
+        earlier = self.unwaited.get(_bucket_key(bucket))
+        if earlier is not None:  # never waited for: it lands now, over this step's writes
+            self.clobbered += 1
+            earlier.wait()
         self.gathers += 1
         staged = bucket.clone()  # this rank's shard as it is now
         super().all_gather_shards(staged).wait()
-        return _Late(bucket, staged)
+        late = _Late(bucket, staged, self.unwaited)
+        self.unwaited[_bucket_key(bucket)] = late
+        return late
 
 
 aligndp.register_collectives(LateGathers.name, LateGathers)

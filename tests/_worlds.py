@@ -1,5 +1,6 @@
 """Gloo worlds kept alive for the whole pytest session, one per world size (tests/_dist.py's
-job-running part).
+job-running part): the pytest process's side (starting, reusing and stopping worlds); each
+rank's side, running a job's cases, is tests/_world_rank.py.
 
 Starting a world costs seconds (every rank imports torch and aligndp), and a session needs
 worlds of 1, 2, 3, 4 and 8 ranks for about 25 modules. So a world, once started, stays and runs
@@ -21,7 +22,11 @@ A world is given up, and the next job of its size starts a new one, when a rank 
 running case fails, the others are not run: tests/_dist.py reports them), when any case of a
 job fails (a rank that raised between two collectives may leave the others' collective
 sequence out of step, which must not fail the next module), or when environment variables that
-only take effect at start (``ATEN_*``, ``OMP_*``, thread counts) differ from the world's.
+only take effect at start (``ATEN_*``, ``OMP_*``, thread counts) differ from the world's. A
+world is stopped at once, without waiting for its job, when a case failed on some ranks and
+the others have not finished it ``ALIGNDP_TEST_FAILURE_GRACE`` seconds (default 10) later:
+they wait in a collective the failed ranks left, which would hang until a timeout (gloo's, or
+the case's); they first write where they wait (SIGUSR1, faulthandler).
 
 ``ALIGNDP_TEST_KEPT_RANKS`` (default 8) caps the ranks kept alive at once, so memory stays
 bounded: starting a world past the cap first stops the least recently used ones, and a world
@@ -33,200 +38,20 @@ job.
 from __future__ import annotations
 
 import atexit
-import datetime
-import faulthandler
+import contextlib
 import os
-import pickle
-import random
 import signal
-import sys
 import tempfile
 import time
-import traceback
-import warnings
-from dataclasses import dataclass, field
 from multiprocessing import connection, get_context
 
-TIMEOUT = datetime.timedelta(seconds=120)
-"""gloo's timeout for one collective of the runner's own (the world's start, the agreement
-after each case)."""
+from tests._world_rank import Job, rank_main
+
+__all__ = ["Job", "World", "failure_grace", "kept", "run_job"]
 
 _START_ONLY_ENV = ("ALIGNDP_TEST_THREADS", "ATEN_", "MKL_", "OMP_", "KMP_", "LD_", "PYTHON")
 """Prefixes of variables read once, when a rank starts (torch's import, the thread count): a
 world started under other values is not reused."""
-
-
-@dataclass
-class Job:
-    """What every rank of a world runs: ``names`` of ``module`` in order, results under
-    ``out_dir`` (``rank{r}.pkl``, ``.current``, ``.stack``), as a fresh rank would see it."""
-
-    module: str
-    names: list[str]
-    out_dir: str
-    case_timeout: float
-    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    cwd: str = field(default_factory=os.getcwd)
-    sys_path: list[str] = field(default_factory=lambda: list(sys.path))
-
-
-# ---- the rank's side ----
-
-
-def _rank_main(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
-    try:
-        _serve(rank, world_size, init_file, conn)
-    except BaseException:  # noqa: BLE001  outside any case: the rank is lost, say why
-        conn.send(("raised", traceback.format_exc()))
-        _leave(1)
-    _leave(0)
-
-
-def _serve(rank: int, world_size: int, init_file: str, conn: connection.Connection) -> None:
-    """Start the rank, then run jobs until the pytest process says stop (or is gone)."""
-    import torch
-    import torch.distributed as dist
-
-    # 1 thread per rank; ALIGNDP_TEST_THREADS=2 re-runs the cases with other reduction splits
-    # (tests/models.py [Tolerances])
-    torch.set_num_threads(int(os.environ.get("ALIGNDP_TEST_THREADS", "1")))
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
-    )
-    start = _ProcessState()
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:  # the pytest process is gone
-            break
-        if job is None:
-            break
-        _take_inherited(job)
-        with warnings.catch_warnings():  # the filters as they were, after the job
-            failed = _run_job(rank, world_size, job)
-        start.restore()
-        conn.send(("done", failed))
-    dist.destroy_process_group()
-
-
-def _leave(code: int) -> None:
-    # Leave without interpreter teardown: about 1 run in 16 aborted there ("terminate called
-    # without an active exception", no Python frame) after every case had passed and the
-    # results were written, failing the whole world size.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _take_inherited(job: Job) -> None:
-    """What a spawned rank inherits from the pytest process, as of this job; fresh seeds."""
-    import torch
-
-    os.environ.clear()
-    os.environ.update(job.environ)
-    os.chdir(job.cwd)
-    sys.path[:] = job.sys_path
-    torch.seed()
-    random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-
-
-class _ProcessState:
-    """The process-wide settings a case may change, as the rank had them at start."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.dtype = torch.get_default_dtype()
-        self.device = torch.get_default_device()
-        self.grad = torch.is_grad_enabled()
-        self.anomaly = torch.is_anomaly_enabled()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        self.matmul = torch.get_float32_matmul_precision()
-        self.threads = torch.get_num_threads()
-
-    def restore(self) -> None:
-        import gc
-
-        import torch
-
-        if "torch._dynamo" in sys.modules:  # imported by a case: drop its compiled code
-            torch._dynamo.reset()
-        torch.set_default_dtype(self.dtype)
-        if torch.get_default_device() != self.device:
-            torch.set_default_device(self.device)
-        torch.set_grad_enabled(self.grad)
-        torch.set_anomaly_enabled(self.anomaly)
-        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
-        torch.set_float32_matmul_precision(self.matmul)
-        torch.set_num_threads(self.threads)
-        gc.collect()
-
-
-def _run_job(rank: int, world_size: int, job: Job) -> bool:
-    """Run the job's cases; after each, the ranks agree on whether anybody failed, so one
-    rank's error cannot leave the others waiting in a collective of the next case. True if a
-    case failed (on any rank)."""
-    import importlib
-
-    import torch
-    import torch.distributed as dist
-
-    began = time.perf_counter()
-    mod = importlib.import_module(job.module)
-    _log_time(rank, world_size, job.module, "(import)", began)
-    results: dict[str, str | None] = {}
-    out = job.out_dir
-    with open(os.path.join(out, f"rank{rank}.stack"), "w") as stacks:
-        for name in job.names:
-            _write(os.path.join(out, f"rank{rank}.current"), name)
-            stacks.seek(0)
-            stacks.truncate()
-            stacks.write(
-                f"rank {rank} ran case {name} for over {job.case_timeout:.0f} s; it waits in:\n"
-            )
-            stacks.flush()
-            faulthandler.dump_traceback_later(job.case_timeout, exit=True, file=stacks)
-            began = time.perf_counter()
-            error = None
-            try:
-                getattr(mod, name)(rank, world_size)
-            except KeyboardInterrupt:
-                raise
-            except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported
-                error = f"rank {rank}: " + traceback.format_exc()
-            faulthandler.cancel_dump_traceback_later()
-            flag = torch.tensor([0 if error is None else 1])
-            dist.all_reduce(flag)
-            if error is None and flag.item():
-                error = f"rank {rank}: another rank failed"
-            results[name] = error
-            _log_time(rank, world_size, job.module, name, began)
-            _write(os.path.join(out, f"rank{rank}.pkl"), results)  # survives a later crash
-            dist.barrier()
-    _write(os.path.join(out, f"rank{rank}.current"), None)
-    return any(error is not None for error in results.values())
-
-
-def _log_time(rank: int, world_size: int, module: str, name: str, began: float) -> None:
-    """With ``ALIGNDP_TEST_CASE_TIMES=<file>``, rank 0 appends ``seconds<TAB>module[ws]::case``
-    (the case and the ranks' agreement after it): pytest's ``--durations`` sees only the first
-    test of each world size, which waits for the whole job."""
-    path = os.environ.get("ALIGNDP_TEST_CASE_TIMES")
-    if path and rank == 0:
-        with open(path, "a") as f:
-            f.write(f"{time.perf_counter() - began:.2f}\t{module}[{world_size}]::{name}\n")
-
-
-def _write(path: str, obj: object) -> None:
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-# ---- the pytest process's side ----
 
 
 class World:
@@ -243,7 +68,7 @@ class World:
         for rank in range(size):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(rank, size, init_file, theirs), name=f"rank{rank}"
+                target=rank_main, args=(rank, size, init_file, theirs), name=f"rank{rank}"
             )
             proc.start()
             theirs.close()
@@ -259,7 +84,10 @@ class World:
 
     def run(self, job: Job) -> tuple[str | None, bool]:
         """Run ``job`` on every rank: (why a rank is gone or None, whether a case failed). A
-        world with a dead rank is stopped."""
+        world with a dead rank is stopped, and so is one where a case failed on some rank and
+        the others had not agreed on it :func:`failure_grace` seconds later (they wait in a
+        collective the failed rank left): why names the case, the failure and where they
+        wait."""
         for conn in self.conns:
             try:
                 conn.send(job)
@@ -268,28 +96,57 @@ class World:
         waiting = set(range(self.size))
         raised: dict[int, str] = {}
         failed = False
+        watch = _FailureWatch(self.size, failure_grace())
         while waiting:
             sentinels = [p.sentinel for p in self.procs]
-            for ready in connection.wait([self.conns[r] for r in waiting] + sentinels):
+            conns = [self.conns[r] for r in waiting]
+            for ready in connection.wait(conns + sentinels, timeout=watch.left()):
                 if ready in sentinels:
                     continue
                 r = self.conns.index(ready)
                 try:
-                    what, detail = ready.recv()
-                except EOFError:
+                    what, *detail = ready.recv()
+                except (EOFError, OSError):
                     continue  # the rank exited: its sentinel says how
+                if what in ("failed", "agreed"):
+                    watch.note(r, what, *detail)
+                    continue
                 waiting.discard(r)
                 if what == "raised":  # and it exits
-                    raised[r] = detail
+                    raised[r] = detail[0]
                     self.procs[r].join(timeout=30)
                 else:
-                    failed = failed or detail
+                    failed = failed or detail[0]
             dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
             if dead:
+                if any(_dumped(job.out_dir, r, "stack") for r in dead):
+                    self._let_exit(5)  # a case timeout: the others' are due too, let them dump
                 self.close(at_once=True)
                 why = "; ".join(_death(r, self.procs[r].exitcode, raised.get(r)) for r in dead)
                 return why, True
+            if watch.expired():
+                stuck = watch.stuck()
+                self._dump_stacks(stuck, job.out_dir)
+                self.close(at_once=True)
+                return watch.why(stuck), True
         return None, failed
+
+    def _let_exit(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every rank to exit by itself."""
+        deadline = time.monotonic() + seconds
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _dump_stacks(self, ranks: list[int], out_dir: str) -> None:
+        """SIGUSR1 to ``ranks``: each writes every thread's stack to ``rank{r}.stuck``
+        (faulthandler, so also while a C++ collective holds its main thread)."""
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        for r in ranks:
+            while time.monotonic() < deadline and not _dumped(out_dir, r, "stuck"):
+                time.sleep(0.05)
 
     def close(self, at_once: bool = False) -> None:
         """Stop every rank: asked to leave (unless ``at_once``), then terminated, then killed."""
@@ -312,6 +169,65 @@ class World:
         for conn in self.conns:
             conn.close()
         self._tmp.cleanup()
+
+
+class _FailureWatch:
+    """The pytest process's view of a job's failed case: the ranks that failed it (with their
+    errors) and those that have agreed on it since; a deadline while some have not."""
+
+    def __init__(self, size: int, grace: float) -> None:
+        self.size, self.grace = size, grace
+        self.case: str | None = None
+        self.errors: dict[int, str] = {}
+        self.agreed: dict[str, set[int]] = {}
+        self.deadline: float | None = None
+
+    def note(self, rank: int, what: str, case: str, error: str | None = None) -> None:
+        agreed = self.agreed.setdefault(case, set())
+        if what == "agreed":  # may come before another rank's "failed" (other pipes)
+            agreed.add(rank)
+        elif self.case in (None, case):
+            self.case = case
+            self.errors[rank] = error
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.grace
+        if self.case == case and len(agreed) == self.size:
+            self.case, self.errors, self.deadline = None, {}, None
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def stuck(self) -> list[int]:
+        """The ranks that neither failed the case nor agreed on it."""
+        done = self.agreed.get(self.case, set()) | set(self.errors)
+        return [r for r in range(self.size) if r not in done]
+
+    def why(self, stuck: list[int]) -> str:
+        first = self.errors[min(self.errors)]
+        return (
+            f"rank(s) {sorted(self.errors)} failed case {self.case} and rank(s) {stuck} had not "
+            f"finished it {self.grace:.0f} s later (they wait in a call the failed rank(s) "
+            f"left, in the stacks below), so the world was stopped; the first failure:\n{first}"
+        )
+
+
+def failure_grace() -> float:
+    """Seconds the other ranks of a world get to finish a case that failed on one rank
+    (``ALIGNDP_TEST_FAILURE_GRACE``, default 10) before the world is stopped. Read at each
+    job."""
+    return float(os.environ.get("ALIGNDP_TEST_FAILURE_GRACE", "10"))
+
+
+def _dumped(out_dir: str, rank: int, kind: str) -> bool:
+    """Whether faulthandler wrote ``rank``'s stacks to its ``rank{r}.{kind}`` file."""
+    try:
+        with open(os.path.join(out_dir, f"rank{rank}.{kind}")) as f:
+            return "most recent call first" in f.read()
+    except FileNotFoundError:
+        return False
 
 
 def _death(rank: int, code: int, raised: str | None) -> str:

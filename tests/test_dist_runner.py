@@ -3,6 +3,7 @@ tests/_worlds.py keeps a world per world size for the next job, with the process
 and starts a new one where a rank died or a case failed, past the cap, or when asked to."""
 
 import os
+import time
 
 import pytest
 
@@ -82,6 +83,26 @@ def test_a_case_that_hangs_fails_naming_rank_case_and_the_call_it_waits_in(monke
     error = results["case_hangs_in_a_barrier_on_rank_0"]
     assert "rank 0 ran case case_hangs_in_a_barrier_on_rank_0" in error, error
     assert "in barrier" in error and "in case_hangs_in_a_barrier_on_rank_0" in error, error
+
+
+def test_a_failure_on_one_rank_stops_the_others_waiting_for_it_within_the_grace(monkeypatch):
+    """A check that fails on rank 0 only, between two collectives of the case: rank 1 would
+    wait in the second for its group's timeout; the world is stopped ALIGNDP_TEST_FAILURE_GRACE
+    seconds after the failure instead, and the case fails with rank 0's error and where rank 1
+    waits. The cases after it are not run (a new world runs the next job)."""
+    monkeypatch.setenv("ALIGNDP_TEST_FAILURE_GRACE", "2")
+    names = ["case_passes", "case_fails_on_rank_0_while_rank_1_waits_in_a_collective"]
+    names.append("case_passes_after_failures")
+    began = time.monotonic()
+    results = run_cases(SELFTEST, names, 2)
+    seconds = time.monotonic() - began
+    assert results["case_passes"] is None, results
+    error = results["case_fails_on_rank_0_while_rank_1_waits_in_a_collective"]
+    assert "rank 0's check failed" in error and "rank(s) [1] had not finished it" in error, error
+    assert "rank 1 had not finished case" in error and "in barrier" in error, error
+    assert "not run" in results["case_passes_after_failures"], results
+    assert seconds < 60, f"{seconds:.0f} s: the failure was not noticed within the grace"
+    assert 2 not in _worlds.kept()
 
 
 # ---- kept worlds (tests/_worlds.py) ----

@@ -30,7 +30,6 @@ from tests._habits_models import (
     Net,
     TorchDDP,
     assert_params_match,
-    assert_replicas_identical,
     backward_on,
     newton_schulz_fp32,
     seeded,
@@ -42,6 +41,22 @@ FORCED = dataclasses.replace(FLOPS_SPLIT, min_cols=1, col_multiple=1, min_part_c
 """Every matrix split (tests/test_muon.py's FORCED)."""
 BATCHES = (3, 1, 2)
 """Batches per rank: rank 1 runs out first, rank 0 trains longest."""
+
+
+def assert_synced(module: nn.Module, what: str) -> None:
+    """Params and buffers equal rank 0's bit for bit on every rank, checked on every rank alike
+    (all of them take part and fail together, so none waits in the next collective for one
+    that failed): the join's final sync broadcasts them from the last joiner."""
+    flat = torch.cat(
+        [t.detach().double().reshape(-1) for t in [*module.parameters(), *module.buffers()]]
+    )
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    differ = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    assert not differ, (
+        f"{what}: ranks {differ} hold other params or buffers than rank 0 after the join: its "
+        "final sync (params and buffers from the last joiner) did not reach every rank"
+    )
 
 
 def _group() -> dist.ProcessGroup:
@@ -85,7 +100,7 @@ def _uneven(rank: int, ws: int, mode: str, how: str, *, divide: bool = True, **k
     with newton_schulz_fp32(mode):
         _train(model, opt, rank, ws, BATCHES[rank], join=join)
     what = f"{mode}, {how}, divide_by_initial_world_size={divide}"
-    assert_replicas_identical(model.module, what)
+    assert_synced(model.module, what)
     assert_params_match(model.module, _reference(mode, rank, ws, divide=divide), what, REL)
 
 
@@ -135,6 +150,7 @@ def case_buffers_come_from_an_active_rank(rank, ws):
             seeded(BatchNormNet), **MODES[mode], lr=LR, process_group=_group()
         )
         run(model, opt, model.join())
+        assert_synced(model.module, f"{mode} BatchNorm under join")
         ref = nn.parallel.DistributedDataParallel(seeded(BatchNormNet))
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         run(ref, ref_opt, Join([ref]))
@@ -153,7 +169,7 @@ def case_torch_optimizer_params_come_from_the_last_joiner(rank, ws):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, opt, rank, ws, BATCHES[rank], join=model.join())
-    assert_replicas_identical(model.module, "torch AdamW over DataParallel")
+    assert_synced(model.module, "torch AdamW over DataParallel")
     what = "torch AdamW over DataParallel under join"
     assert_params_match(model.module, _reference("none", rank, ws), what, REL)
 
@@ -173,6 +189,7 @@ def case_no_sync_micro_batches_inside_join(rank, ws):
                     backward_on(m, step, rank, ws)
                     o.step()
                     o.zero_grad()
+        assert_synced(model.module, f"{mode} no_sync under join")
         assert_params_match(model.module, ref.module, f"{mode} no_sync under join", REL)
 
 
@@ -253,6 +270,7 @@ def case_max_grad_norm_clips_on_every_rank_inside_join(rank, ws):
     for mode in ("none", "zero1"):
         model, opt = wrap(seeded(Net), mode, process_group=_group(), max_grad_norm=0.05)
         _train(model, opt, rank, ws, BATCHES[rank], join=model.join())
+        assert_synced(model.module, f"{mode} max_grad_norm under join")
         ref = TorchDDP(seeded(Net), mode)
         with Join([ref.model]):
             for step in range(BATCHES[rank]):
