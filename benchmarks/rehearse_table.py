@@ -34,7 +34,9 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -194,16 +196,19 @@ def _gloo_worker(rank: int, ws: int, init_file: str, options, out: str) -> None:
 
 
 def gloo_rows(args) -> list[dict]:
+    """The workers' files go to a scratch folder, not ``$OUT``: the device tool brings back
+    at most 8 files, and the rows below carry what they hold."""
     rows = []
+    scratch = tempfile.mkdtemp(prefix="rehearse_gloo_")
     for ws in (2, 4):
         options = RehearsalOptions(
             preset=args.gloo_preset, dp_size=ws, sharding="zero1", batch_size=args.batch,
             autocast=args.device == "cuda", device=args.device, steps=1,
         )  # fmt: skip
-        init = os.path.join(args.out, f"rdv{ws}_{os.getpid()}")
-        mp.spawn(_gloo_worker, args=(ws, init, options, args.out), nprocs=ws)
+        init = os.path.join(scratch, f"rdv{ws}")
+        mp.spawn(_gloo_worker, args=(ws, init, options, scratch), nprocs=ws)
         for rank in range(ws):
-            with open(os.path.join(args.out, f"gloo{ws}_{rank}.json")) as f:
+            with open(os.path.join(scratch, f"gloo{ws}_{rank}.json")) as f:
                 real = json.load(f)
             fake = rehearse_rank(options, rank)
             keys = [list(json.loads(json.dumps(c.key()))) for c in fake.collectives]
@@ -217,6 +222,7 @@ def gloo_rows(args) -> list[dict]:
             }  # fmt: skip
             rows.append(row)
             log(args.out, row)
+    shutil.rmtree(scratch, ignore_errors=True)
     return rows
 
 
