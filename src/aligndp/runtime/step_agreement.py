@@ -185,7 +185,9 @@ class StepAgreement:
     ) -> None:
         """``rank`` among the ``world_size`` ranks that agree; ``buckets``: the model's
         :class:`~aligndp.runtime.bucket.Bucket` s (their spans, for ``check_finite``)."""
-        self.params, self.names = list(params), names
+        # the reducer's own list, not a copy: publishing knows "every param" by identity
+        # (``used is params``) and hashes no param ([Note: one rank's host time])
+        self.params, self.names = params, names
         self.rank, self.world_size, self.device = rank, world_size, device
         self.check_finite = check_finite
         self._spans = {b.position: self._spans_of(b) for b in buckets} if check_finite else {}
