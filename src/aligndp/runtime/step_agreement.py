@@ -221,17 +221,14 @@ class StepAgreement:
         """Sum this rank's flags over the ranks and decide; read on the host only when this
         rank needs the answer now ([Note: agreement without a host sync])."""
         values = flag_values(self.params, used=used, late=late, stale_read=stale_read)
-        try:
-            if self.world_size == 1 and not self.check_finite:  # one rank agrees with itself
-                if all(used) and not any(values[len(self.params) :]):
-                    return Agreed(self.params, "", "")
-                return self._decode(values)
-            if all(used) and not self.check_finite:
-                self._pending = to_host_async(self._flags(values, collectives))
+        if self.world_size == 1 and not self.check_finite:  # one rank agrees with itself
+            if all(used) and not any(values[len(self.params) :]):
                 return Agreed(self.params, "", "")
-            return self._decode(self._flags(values, collectives).tolist())
-        finally:
-            self._nonfinite = None
+            return self._decode(values)
+        if all(used) and not self.check_finite:
+            self._pending = to_host_async(self._flags(values, collectives))
+            return Agreed(self.params, "", "")
+        return self._decode(self._flags(values, collectives).tolist())
 
     def _flags(self, values: list[int], collectives: Collectives) -> torch.Tensor:
         """This rank's flags on the device, summed over the ranks."""
