@@ -97,17 +97,18 @@ class Bucket:
         return self._grad
 
     @torch.no_grad()
-    def land_deferred(self) -> list[int]:
-        """Copy the deferred gradients into their views (one ``_foreach_copy_``), make each
-        ``param.grad`` its view and return their param indices ([Note: one copy per bucket])."""
+    def land_deferred(self, armed: list[bool]) -> None:
+        """Copy the deferred gradients into their views (one ``_foreach_copy_``) and make each
+        ``param.grad`` its view, marked in ``armed`` (by param index; the landing's,
+        [Note: one copy per bucket] in grad_landing.py)."""
         deferred, self.deferred = self.deferred, []
         if not deferred:
-            return []
+            return
         members = [self._member[k] for k, _ in deferred]
         torch._foreach_copy_([view for _, view in members], [g for _, g in deferred])
-        for param, view in members:
+        for (k, _), (param, view) in zip(deferred, members):
             param.grad = view
-        return [k for k, _ in deferred]
+            armed[k] = True
 
     def launch_reduce(self, grad: torch.Tensor) -> None:
         """Start the bucket's gradient mean over the ranks (in place; a no-op on one rank)."""

@@ -13,9 +13,9 @@ own threads, so a launched collective overlaps the rest of backward):
 [Note: step states] (DESIGN.md): IDLE after ``zero_grad``; ACCUMULATING while gradients
 arrive; REDUCED once a synchronised backward ended — its autograd callback launched what was
 left, waited, agreed with the other ranks in one small all-reduce (step_agreement.py) and
-published
-``param.grad`` (the reduced view, or a ``ShardedGrad`` in sharded modes). A gradient arriving
-in REDUCED reopens the buffers first (``_reopen``), as torch accumulates into ``param.grad``.
+published ``param.grad`` (the reduced view, or a ``ShardedGrad`` in sharded modes). A
+gradient arriving in REDUCED reopens the buffers first (``_reopen``), as torch accumulates
+into ``param.grad``.
 
 [Note: bucket readiness] (DESIGN.md), as the code does it:
 Each param's autograd hook fires once per backward; a fused-wgrad layer marks its weight
@@ -107,10 +107,10 @@ class DataParallel(nn.Module, JoinableModel):
     ``gather_codec``: how low-precision ``gather_dtype`` gathers encode ([Note: FP8 param gather]).
 
     A thin module over three parts built here once: ``index`` (the
-    :class:`~aligndp.runtime.step_state.ParamIndex`), ``groups`` (one
+    :class:`~aligndp.runtime.step_state.ParamIndex`), ``buckets`` (one
     :class:`~aligndp.runtime.bucket.Bucket` per bucket, [Note: the bucket]) and
     ``reducer`` (the :class:`~aligndp.runtime.reducer.GradReducer`: hooks, step states,
-    agreement), plus ``param_gather`` over the groups; the methods below forward to them.
+    agreement), plus ``param_gather`` over the buckets; the methods below forward to them.
     """
 
     def __init__(
@@ -297,8 +297,7 @@ class DataParallel(nn.Module, JoinableModel):
         """Wait for param gathers in flight (a step writes the shards), launch what is left,
         wait, agree, publish ``param.grad`` (by itself at the end of every synchronised
         backward) and return the reduced gradients' view ([Note: reduced grads view])."""
-        self.param_gather.wait_all()
-        return self.reducer.finish_grad_sync()
+        return self.reducer.grads_for_step()
 
     def no_sync(self):
         """Accumulate gradients locally (micro-batches); the next backward outside syncs them."""

@@ -21,7 +21,7 @@ is waited for (their buckets do it).
 
 [Note: reads wait for the gather]
 With ``overlap_param_gather=True`` a param's all-gather is still in flight when ``opt.step()``
-returns (aligndp/runtime/param_gather.py). While it is, the param's class is the *pending*
+returns. While it is, the param's class is the *pending*
 subclass of its class (:func:`mark_pending`), whose ``__torch_function__`` first waits for
 that param's gather, which gives every param of its bucket its own class back
 (:func:`settle`), then runs the call again. Every read through the param object waits so:

@@ -185,7 +185,7 @@ class GradReducer:
         self.landing.settle()  # [Note: one rank steps autograd's gradients]
         if self.collecting and self.state is not StepState.REDUCED:
             self.landing.collect(self)
-        self._land_deferred(self._bucket_of[k])
+        self._bucket_of[k].land_deferred(self._armed)
         self.landing.take(k)
         if self.state is StepState.IDLE:
             self._begin_accumulating()
@@ -228,13 +228,9 @@ class GradReducer:
         while self._next_launch < len(buckets) and not buckets[self._next_launch].countdown:
             self._launch(buckets[self._next_launch])
 
-    def _land_deferred(self, bucket: Bucket) -> None:
-        for k in bucket.land_deferred():  # [Note: one copy per bucket] in grad_landing.py
-            self._armed[k] = True
-
     def _launch(self, bucket: Bucket) -> None:
         assert bucket.position == self._next_launch, "buckets launch in index order"
-        self._land_deferred(bucket)
+        bucket.land_deferred(self._armed)  # [Note: one copy per bucket] in grad_landing.py
         stale, used, eager_zero = self._stale, self._used, self._eager_zero
         for k in self._members[bucket.position]:
             if stale[k]:
@@ -386,14 +382,17 @@ class GradReducer:
             )
         return view
 
+    def grads_for_step(self) -> ReducedGrads:
+        """:meth:`finish_grad_sync` once the gathers in flight (they read the step's shards) end."""
+        self.param_gather.wait_all()
+        return self.finish_grad_sync()
+
     @contextlib.contextmanager
     def update(self) -> Iterator[ReducedGrads]:
-        """The optimizer's step window ([Note: one step, top-down] in optim/composite.py): wait
-        for the param gathers in flight (they read the shards the step writes), reduce and
-        agree, hand the step the reduced gradients; after it, launch every bucket's gather not
-        yet launched. A skipped step (non-finite gradients) or one that raised launches none."""
-        self.param_gather.wait_all()
-        grads = self.finish_grad_sync()
+        """The optimizer's step window ([Note: one step, top-down] in optim/composite.py): hand
+        the step :meth:`grads_for_step`; after it, launch every bucket's gather not yet
+        launched. A skipped step (non-finite gradients) or one that raised launches none."""
+        grads = self.grads_for_step()
         yield grads
         if grads.nonfinite is None:
             self.param_gather.launch_rest()
