@@ -153,3 +153,38 @@ def test_cli_every_rank_layerwise_json():
 def test_cli_refuses_a_rank_outside_the_job():
     code, _, err = _cli("--nproc", "4", "--rank", "4")
     assert code == 2 and "--rank 4 is outside 0..3" in err
+
+
+def test_gather_time_counts_a_nested_launch_or_wait_once():
+    """The rehearsal's gather time: ``launch_rest`` calling ``launch_bucket`` and ``wait_all``
+    calling ``wait`` are the same seconds, counted by the outer call alone (counted twice,
+    the time would be about twice the wall time the calls took)."""
+    import time
+    import types
+
+    from aligndp.app.rehearse_step import _timed_gather
+
+    class Gather:
+        def launch_bucket(self, ref):
+            time.sleep(0.01)
+
+        def launch_rest(self):
+            for ref in range(3):
+                self.launch_bucket(ref)
+
+        def launch_stepped(self, ref):
+            self.launch_bucket(ref)
+
+        def wait(self, refs):
+            time.sleep(0.01 * len(refs))
+
+        def wait_all(self):
+            self.wait(range(2))
+
+    gather, spent = Gather(), [0.0]
+    with _timed_gather(types.SimpleNamespace(param_gather=gather), spent):
+        t0 = time.perf_counter()
+        gather.launch_rest()
+        gather.wait_all()
+        wall = time.perf_counter() - t0
+    assert 0.5 * wall <= spent[0] <= wall, f"gather time {spent[0]:.4f} s over {wall:.4f} s"

@@ -164,18 +164,25 @@ def _sync(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def _timed_gather(ddp, spent: list[float]):
-    """Add the seconds spent in the param gather's launches and waits to ``spent[0]``."""
+    """Add the seconds spent in the param gather's launches and waits to ``spent[0]``, once:
+    a timed method calling another (``launch_rest`` its ``launch_bucket``, ``wait_all`` its
+    ``wait``) is counted by the outer call alone."""
     gather = ddp.param_gather
     names = ("launch_stepped", "launch_rest", "launch_bucket", "wait", "wait_all")
     originals = {n: getattr(gather, n) for n in names}
+    inside = [False]
 
     def timed(fn):
         def call(*args, **kwargs):
+            if inside[0]:
+                return fn(*args, **kwargs)
+            inside[0] = True
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - t0
+                inside[0] = False
 
         return call
 
