@@ -176,9 +176,10 @@ def _run_job(rank: int, world_size: int, job: Job, conn: connection.Connection) 
                 raise
             except BaseException:  # noqa: BLE001  pytest's Failed and SystemExit too: reported
                 error = f"rank {rank}: " + traceback.format_exc()
-            faulthandler.cancel_dump_traceback_later()
-            if error is not None:
+                # at once, while the case's frames live: freeing them runs the finalisers of
+                # what the case built, which may wait in a collective the failure left
                 conn.send(("failed", name, error))
+            faulthandler.cancel_dump_traceback_later()
             flag = torch.tensor([0 if error is None else 1])
             dist.all_reduce(flag)
             if error is None and flag.item():

@@ -12,12 +12,16 @@ store another rank's BatchNorm statistics. The hang cases run with
 from __future__ import annotations
 
 import atexit
+import datetime
 import errno
+import gc
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -214,6 +218,70 @@ def case_a_rank_left_behind_fails_on_both_ranks(rank, ws):
         )
     dist.barrier()
     agreement.prepare_side_group(renew=True)  # the next cases get working connections
+
+
+def deep(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Linear(12, 12) for _ in range(4)))
+
+
+@case(2)
+def case_a_failed_param_gather_is_named_and_never_waited_again(rank, ws):
+    """Rank 1 skips the step that launches the overlapped param gathers, so rank 0's gathers
+    time out: its next forward names the failed gather and the way back, every later read,
+    forward or checkpoint raises that at once instead of reading values the gather never
+    wrote, and dropping the wrapper waits for nothing (its finaliser waited for every other
+    bucket's gather in turn, the timeout each time)."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    model, opt = aligndp.parallelize(
+        deep(), lr=0.1, sharding="zero1", overlap_param_gather=True, process_group=group,
+        bucket_numel=160,
+    )  # fmt: skip
+    buckets = len(opt.gather.order)
+    assert buckets >= 3, f"{buckets} gathered buckets: the case needs several in flight"
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    if rank == 0:
+        opt.step()
+        assert opt.gather.in_flight == buckets
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="param all-gather of bucket") as info:
+            model(x)
+        took = time.monotonic() - started
+        assert took < TIMEOUT_S + 3, f"took {took:.1f} s with a {TIMEOUT_S} s timeout"
+        assert opt.gather.in_flight == 0, "the gathers in flight at the failure were kept"
+        text = one_line(info.value)
+        for pattern in ("on rank 0 of its group", "out of step", "aligndp.load"):
+            assert pattern in text, f"{pattern!r} not in {text!r}"
+        weight = model.module[0].weight
+        for what, again in {
+            "forward": lambda: model(x),
+            "a read of a param": lambda: weight.sum(),
+            "state_dict()": lambda: model.state_dict(),
+            "opt.step()": opt.step,
+        }.items():
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match="param all-gather of bucket"):
+                again()
+            took = time.monotonic() - started
+            assert took < TIMEOUT_S / 4, f"{what} waited {took:.1f} s after the failure"
+        module, wrapper = model.module, weakref.ref(model)
+        unraisable = []
+        hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+        started = time.monotonic()
+        try:
+            del model, opt, weight, again, info  # the traceback holds the wrapper too
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        took = time.monotonic() - started
+        assert wrapper() is None, "the wrapper outlived its last reference"
+        assert took < TIMEOUT_S / 4, f"dropping the wrapper waited {took:.1f} s"
+        assert not unraisable, f"the wrapper's finaliser raised: {unraisable[0].exc_value!r}"
+        kinds = {type(p).__name__ for p in module.parameters()}
+        assert kinds == {"Parameter"}, f"the dropped wrapper left params of classes {kinds}"
+        module(x).sum().backward()  # the module trains on in plain torch
+    dist.barrier()  # rank 1 never uses the timed-out group again
 
 
 # ---- files: never lose a user's file ----

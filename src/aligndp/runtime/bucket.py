@@ -161,6 +161,11 @@ class Bucket:
             self.coded.finish(self.ref)
         return True
 
+    def drop_gather(self) -> None:
+        """Forget the gather in flight unwaited: another one failed
+        ([Note: a failed gather] in param_gather.py)."""
+        self._gather_work = None
+
     @property
     def gathering(self) -> bool:
         return self._gather_work is not None

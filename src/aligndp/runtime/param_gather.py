@@ -32,6 +32,16 @@ so ``zero_grad`` keeps the overlap. A module's forward pre-hook settles its own 
 its forward reads them, and outside the window every class is the normal one, so the step
 pays two class assignments per param and nothing per read. Not covered: an alias taken
 before the step (a view, ``data_ptr()``); ``model.wait_for_params()`` waits for everything.
+
+[Note: a failed gather]
+A gather whose wait raises (a rank that never launched it: gloo's timeout) leaves the ranks'
+params out of step for good. The first wait raises an error naming the bucket, the rank and
+the way back (the last checkpoint); the other gathers in flight are dropped unwaited, since
+each would wait out its own timeout (on gloo one after the other: a wrapper dropped after the
+failure took the timeout times the number of buckets in its finaliser). Their params stay
+pending, so every later read of one, forward, step or ``state_dict()`` raises the same error at
+once instead of reading a value the failed gather never wrote. Dropping the wrapper gives them
+their own classes back without waiting (:meth:`ParamGather.release`).
 """
 
 from __future__ import annotations
@@ -90,6 +100,9 @@ class ParamGather:
         """The buckets that hold params, by reference."""
         self._launched: set[BucketRef] = set()
         self._marked: set[BucketRef] = set()  # their params are pending (reads wait for the gather)
+        self.failed: str | None = None
+        """Why a gather failed, once one has ([Note: a failed gather]): every later wait
+        raises it at once."""
         self.writes = 0
         """Bucket gathers launched so far (at dp_size 1 too, where the step's cast-back alone
         wrote ``param_data``): the params' values changed without their version counters
@@ -158,12 +171,45 @@ class ParamGather:
 
     def wait(self, keys: Iterable[BucketRef]) -> None:
         """Wait for the given buckets' gathers (no-op for those already done) and give their
-        params their own classes back."""
+        params their own classes back; raise at once once a gather has failed."""
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
         for key in keys:
             bucket = self._buckets.get(key)
-            if bucket is not None and bucket.wait_gather() and key in self._marked:
+            if bucket is None:
+                continue
+            try:
+                waited = bucket.wait_gather()
+            except Exception as e:
+                self._give_up(key, e)
+                raise RuntimeError(self.failed) from e
+            if waited and key in self._marked:
                 self._marked.discard(key)
                 settle(bucket.params)
+
+    def _give_up(self, key: BucketRef, error: Exception) -> None:
+        """[Note: a failed gather]: name it, and drop every gather still in flight unwaited."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.failed = (
+            f"the param all-gather of bucket {key.bucket} of buffer {key.buffer} failed on "
+            f"rank {self.collectives.rank} of its group ({type(error).__name__}: {first}), so "
+            "the ranks' params are out of step; the other gathers then in flight were dropped, "
+            "and every later read of their params, forward, step or checkpoint raises this. "
+            "Restart the job from its last checkpoint (aligndp.load)"
+        )
+        for bucket in self._buckets.values():
+            bucket.drop_gather()
+        self._launched.clear()
+
+    def release(self) -> None:
+        """For a wrapper being dropped: wait for the gathers in flight, or after a failed one
+        give the pending params their own classes back without waiting."""
+        if self.failed is None:
+            self.wait_all()
+            return
+        for key in self._marked:
+            settle(self._buckets[key].params)
+        self._marked.clear()
 
     def wait_for(self, param: nn.Parameter) -> None:
         """Wait for the gather of the bucket holding ``param`` (a pending param being read)."""

@@ -108,7 +108,7 @@ def attach_to_module(owner, hooks: list, sink, gather, layers: list[nn.Module]) 
     release = weakref.finalize(
         owner,
         _release,
-        gather.wait_all,
+        gather.release,
         [weakref.ref(p) for p in owner.params],
         [hooks, gather.hooks],
         [weakref.ref(m) for m in layers],
@@ -132,8 +132,8 @@ class _WaitAll:
         return _WaitAll, (None,)
 
 
-def _release(wait_all, params: list, handle_lists: list, layers: list, sink: object) -> None:
-    wait_all()  # gathers still in flight land first: pending params get their class back
+def _release(release, params: list, handle_lists: list, layers: list, sink: object) -> None:
+    release()  # gathers still in flight land first: pending params get their class back
     for handles in handle_lists:
         for h in handles:
             h.remove()
