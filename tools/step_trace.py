@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -50,7 +51,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "aligndp"
+# the aligndp that runs (an install from another checkout traces that checkout's files)
+SRC = pathlib.Path(importlib.util.find_spec("aligndp").origin).resolve().parent
 
 
 def _package(filename: str) -> str | None:
