@@ -223,27 +223,49 @@ def test_rehearsal_balance_uses_measured_part_times(monkeypatch):
     assert len(timed) == len(set(timed))  # each distinct part shape timed once
 
 
-def test_timed_fake_collectives_move_nothing():
-    """torch's fake backend copies an all-gather's input into every rank's slot (D copies per
-    bucket, counted as the rehearsed step's time); inside moving_nothing() the same call is
-    launched on empty tensors and its output is left alone."""
+def test_timed_fake_collectives_never_reach_the_backend():
+    """torch's fake backend copies an all-gather's input into every rank's slot and splits
+    every all-gather and reduce-scatter into one chunk per rank (work that grows with D,
+    counted as the rehearsed step's time); inside moving_nothing() those collectives return
+    a completed Work without reaching the backend (no c10d op is dispatched) and leave their
+    outputs alone, an all-reduce still runs, and leaving restores the backend's methods."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("c10d."):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
     with pytest.raises(ValueError, match="rehearsal"):
         with moving_nothing():
             pass
     init_fake_world(0, 4)
     try:
-        x, out = torch.ones(8), torch.zeros(32)
-        dist.all_gather_single(out, x)
-        assert out.sum() == 32  # the fake backend's copies
+        x, out, y = torch.ones(8), torch.zeros(32), torch.zeros(8)
+
+        def collectives() -> None:
+            dist.all_gather_into_tensor(out, x, async_op=True).wait()
+            dist.all_gather([torch.zeros(8) for _ in range(4)], x)
+            dist.gather(x, [torch.zeros(8) for _ in range(4)], dst=0)
+            dist.reduce_scatter_tensor(y, out, async_op=True).wait()
+            dist.reduce_scatter(y, [torch.zeros(8) for _ in range(4)])
+
+        with Dispatched() as plain:
+            collectives()
+        assert out.sum() == 32 and len(plain.ops) == 5, plain.ops  # the fake backend's copies
         for _ in range(2):  # entered again after leaving: the methods are restored intact
             out.zero_()
-            with moving_nothing():
-                dist.all_gather_single(out, x, async_op=True).wait()
-                dist.all_gather([torch.zeros(8) for _ in range(4)], x)
-                gathered = [torch.zeros(8) for _ in range(4)]
-                dist.gather(x, gathered, dst=0)
-            assert out.sum() == 0 and sum(g.sum() for g in gathered) == 0
-        dist.all_gather_single(out, x)
+            with moving_nothing(), Dispatched() as quiet:
+                collectives()
+                dist.all_reduce(x)
+            assert out.sum() == 0, "an all-gather inside moving_nothing() copied"
+            assert quiet.ops == ["c10d.allreduce_.default"], quiet.ops
+        dist.all_gather_into_tensor(out, x)
         assert out.sum() == 32
     finally:
         dist.destroy_process_group()
