@@ -19,10 +19,10 @@ this module is the one place that answers them without the other ranks:
 The fake backend is not free: its all-gathers and gathers copy the input into every rank's
 slot of the output (one copy per rank: a ZeRO-1 param gather at D = 1,024 is 1,024 copies per
 bucket), and its all-gathers and reduce-scatters split their tensors into one chunk per rank
-even when they are empty (on this 2-core CPU, torch 2.13: one call 24-35 us at D = 64,
-260-470 us at D = 1,024, empty or not; an all-reduce or broadcast 3 us at both). A rehearsal
-would time that as its own step's work (the optimizer phase, where the param gather
-launches: 32 ms of a 1b ZeRO-1 step at D = 1,024 on an H100, 2026-12-07). Inside
+even when they are empty, so each call costs in proportion to D (an all-reduce or a
+broadcast does not). A rehearsal would time that as its own step's work (the optimizer
+phase, where the param gather launches; the figures are in
+benchmarks/results/rehearse_fake_copies_2026-12-07.md). Inside
 :func:`moving_nothing` those collectives (:data:`PER_RANK_COLLECTIVES`) do not reach the
 backend at all: each returns a completed ``Work``, so a timed step pays for none of the fake
 backend's per-rank work, as the rehearsal promises; the probed step (collectives and memory)
