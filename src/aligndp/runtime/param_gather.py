@@ -189,7 +189,8 @@ class ParamGather:
 
     def _give_up(self, key: BucketRef, error: Exception) -> None:
         """[Note: a failed gather]: name it, and drop every gather still in flight unwaited."""
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        lines = str(error).strip().splitlines()
+        first = lines[0] if lines else ""
         self.failed = (
             f"the param all-gather of bucket {key.bucket} of buffer {key.buffer} failed on "
             f"rank {self.collectives.rank} of its group ({type(error).__name__}: {first}), so "
